@@ -1,0 +1,211 @@
+//! `pdserve-loadtest engine`: prefill and decode throughput of the engine,
+//! measured in-process after warm-up, median of several repetitions.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use pdserve_engine::profile::StageClock;
+use pdserve_engine::{KvPool, LoadOptions, Model, SeqKv, WeightFormat};
+use serde::Serialize;
+
+#[derive(Args, Debug)]
+pub struct EngineArgs {
+    /// GGUF model file.
+    #[arg(long, env = "PDSERVE_MODEL")]
+    model: PathBuf,
+    /// Weight formats to measure, comma-separated (native, q8_0, f32).
+    #[arg(long, env = "PDSERVE_BENCH_WEIGHTS", value_delimiter = ',', default_value = "f32,q8_0")]
+    weights: Vec<WeightFormat>,
+    /// Threads for the model's pools (0 = one per core).
+    #[arg(long, env = "PDSERVE_THREADS", default_value_t = 2)]
+    threads: usize,
+    /// Prompt lengths for the prefill measurement.
+    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    prefill_lens: Vec<usize>,
+    /// Concurrent sequences for the decode measurement.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    decode_batches: Vec<usize>,
+    /// Context length of each sequence when decoding starts.
+    #[arg(long, default_value_t = 128)]
+    decode_context: usize,
+    /// Decode steps timed per repetition.
+    #[arg(long, default_value_t = 32)]
+    decode_steps: usize,
+    /// Timed repetitions per measurement (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Also print where the time goes, per stage of the forward pass.
+    #[arg(long)]
+    profile: bool,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Serialize, Debug)]
+struct EngineResult {
+    weights: String,
+    threads: usize,
+    prefill_tok_s: BTreeMap<String, f64>,
+    decode_tok_s: BTreeMap<String, f64>,
+    /// Seconds per stage, summed over the timed decode runs of the largest batch.
+    profile_decode: BTreeMap<String, f64>,
+    /// Seconds per stage, summed over the timed prefill runs of the longest prompt.
+    profile_prefill: BTreeMap<String, f64>,
+}
+
+pub fn run(args: EngineArgs) -> Result<()> {
+    anyhow::ensure!(args.reps > 0 && args.decode_steps > 0, "--reps and --decode-steps must be > 0");
+    let threads = pdserve_engine::threads::configure(args.threads);
+    let mut results = Vec::new();
+    for &weights in &args.weights {
+        let started = Instant::now();
+        let model = Model::load(&args.model, &LoadOptions { weights, ..Default::default() })
+            .with_context(|| format!("loading {}", args.model.display()))?;
+        eprintln!("loaded {} as {weights} in {:.2} s", args.model.display(), started.elapsed().as_secs_f64());
+        results.push(bench_model(&model, &args, threads)?);
+    }
+    print_table(&results, &args);
+    if let Some(path) = &args.json {
+        let json = match results.as_slice() {
+            [one] => serde_json::to_string_pretty(one)?,
+            many => serde_json::to_string_pretty(many)?,
+        };
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn bench_model(model: &Model, args: &EngineArgs, threads: usize) -> Result<EngineResult> {
+    let longest = args.prefill_lens.iter().max().copied().unwrap_or(0);
+    let biggest = args.decode_batches.iter().max().copied().unwrap_or(0);
+    let need = longest.max(biggest * (args.decode_context + args.decode_steps + 1));
+    let pool = KvPool::new(model.kv_layout(), need * 2);
+    let mut out = EngineResult {
+        weights: model.weight_format().to_string(),
+        threads,
+        prefill_tok_s: BTreeMap::new(),
+        decode_tok_s: BTreeMap::new(),
+        profile_decode: BTreeMap::new(),
+        profile_prefill: BTreeMap::new(),
+    };
+    for &len in &args.prefill_lens {
+        let prompt = synthetic_prompt(model, len, 0);
+        let run = || -> Result<f64> {
+            let mut kv = pool.allocate(len)?;
+            let t = Instant::now();
+            model.prefill(&prompt, &mut kv)?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        let secs = timed(model.stage_clock(), args.reps, run)?;
+        out.prefill_tok_s.insert(len.to_string(), len as f64 / secs);
+        if len == longest {
+            out.profile_prefill = stage_map(model.stage_clock());
+        }
+    }
+    for &batch in &args.decode_batches {
+        let secs = timed(model.stage_clock(), args.reps, || decode_run(model, &pool, batch, args))?;
+        out.decode_tok_s.insert(batch.to_string(), (batch * args.decode_steps) as f64 / secs);
+        if batch == biggest {
+            out.profile_decode = stage_map(model.stage_clock());
+        }
+    }
+    Ok(out)
+}
+
+/// One warm-up, then `reps` timed runs; returns the median seconds. The stage
+/// clock covers only the timed runs.
+fn timed(clock: &StageClock, reps: usize, mut run: impl FnMut() -> Result<f64>) -> Result<f64> {
+    run()?;
+    clock.reset();
+    let mut secs = (0..reps).map(|_| run()).collect::<Result<Vec<f64>>>()?;
+    secs.sort_by(f64::total_cmp);
+    Ok(secs[secs.len() / 2])
+}
+
+/// Prefills `batch` sequences (untimed), then times `decode_steps` batched steps.
+fn decode_run(model: &Model, pool: &KvPool, batch: usize, args: &EngineArgs) -> Result<f64> {
+    let mut kvs: Vec<SeqKv> = Vec::with_capacity(batch);
+    let mut next = Vec::with_capacity(batch);
+    let clock = model.stage_clock();
+    // The clock should end up holding decode steps only, summed over repetitions.
+    let before = clock.snapshot();
+    for i in 0..batch {
+        // Slightly different lengths, as in a real batch.
+        let ctx = args.decode_context + i % 7;
+        let mut kv = pool.allocate(ctx + args.decode_steps + 1)?;
+        let logits = model.prefill(&synthetic_prompt(model, ctx, i as u32), &mut kv)?;
+        next.push(argmax(&logits));
+        kvs.push(kv);
+    }
+    clock.reset();
+    let t = Instant::now();
+    for _ in 0..args.decode_steps {
+        let mut items: Vec<(&mut SeqKv, u32)> = kvs.iter_mut().zip(next.iter().copied()).collect();
+        let logits = model.decode_step(&mut items)?;
+        next = (0..batch).map(|i| argmax(logits.row(i))).collect();
+    }
+    let secs = t.elapsed().as_secs_f64();
+    // Put back the decode time of earlier repetitions.
+    clock.add(&before);
+    Ok(secs)
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    logits
+        .iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) })
+        .0 as u32
+}
+
+/// Deterministic token ids that avoid the special tokens at the start of the vocabulary.
+fn synthetic_prompt(model: &Model, len: usize, salt: u32) -> Vec<u32> {
+    let vocab = model.config().vocab_size as u32;
+    let base = 100.min(vocab / 2);
+    (0..len as u32)
+        .map(|i| base + (i.wrapping_mul(2_654_435_761).wrapping_add(salt * 97) >> 7) % (vocab - base))
+        .collect()
+}
+
+fn stage_map(clock: &StageClock) -> BTreeMap<String, f64> {
+    clock.snapshot().into_iter().map(|(s, secs)| (s.name().to_string(), secs)).collect()
+}
+
+fn print_table(results: &[EngineResult], args: &EngineArgs) {
+    println!("\n{:<8} {:>8} {:<26} {:>12}", "weights", "threads", "measure", "tok/s");
+    for r in results {
+        for (len, v) in sorted(&r.prefill_tok_s) {
+            println!("{:<8} {:>8} {:<26} {:>12.1}", r.weights, r.threads, format!("prefill {len} tokens"), v);
+        }
+        for (b, v) in sorted(&r.decode_tok_s) {
+            let what = format!("decode x{b} @ctx {}", args.decode_context);
+            println!("{:<8} {:>8} {:<26} {:>12.1}", r.weights, r.threads, what, v);
+        }
+    }
+    if args.profile {
+        for r in results {
+            print_profile(&format!("{} prefill (longest prompt)", r.weights), &r.profile_prefill);
+            print_profile(&format!("{} decode (largest batch)", r.weights), &r.profile_decode);
+        }
+    }
+}
+
+fn sorted(m: &BTreeMap<String, f64>) -> Vec<(usize, f64)> {
+    let mut v: Vec<(usize, f64)> = m.iter().filter_map(|(k, v)| Some((k.parse().ok()?, *v))).collect();
+    v.sort_by_key(|(k, _)| *k);
+    v
+}
+
+fn print_profile(title: &str, stages: &BTreeMap<String, f64>) {
+    let total: f64 = stages.values().sum();
+    println!("\nwhere the time goes: {title}");
+    let mut rows: Vec<_> = stages.iter().collect();
+    rows.sort_by(|a, b| b.1.total_cmp(a.1));
+    for (name, secs) in rows {
+        println!("  {:<28} {:>6.1}%", name, 100.0 * secs / total.max(1e-12));
+    }
+}

@@ -1,0 +1,25 @@
+//! `pdserve-loadtest`: load generation against OpenAI-compatible servers and
+//! micro-benchmarks of pdserve's own components.
+
+mod engine_bench;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(name = "pdserve-loadtest", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Benchmark the engine in-process: prefill and batched-decode throughput.
+    Engine(engine_bench::EngineArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Engine(args) => engine_bench::run(args),
+    }
+}

@@ -1,0 +1,182 @@
+//! Model hyper-parameters, read from GGUF metadata (nothing is hard-coded per model).
+
+use std::collections::HashMap;
+
+use candle_core::quantized::gguf_file::{Content, Value};
+
+use crate::error::{EngineError, Result};
+
+/// Architectures whose tensors follow the Llama layout in GGUF.
+const LLAMA_FAMILY: &[&str] = &["llama", "mistral"];
+
+/// Hyper-parameters of a Llama-family transformer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// `general.architecture`, e.g. `llama`.
+    pub architecture: String,
+    /// `general.name`, when present.
+    pub name: Option<String>,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub hidden_size: usize,
+    pub ffn_size: usize,
+    pub vocab_size: usize,
+    /// Trained context window in tokens.
+    pub context_length: usize,
+    pub rope_theta: f32,
+    pub rms_eps: f64,
+}
+
+impl ModelConfig {
+    /// Reads the configuration from a parsed GGUF header.
+    pub fn from_gguf(content: &Content) -> Result<Self> {
+        let md = Metadata(&content.metadata);
+        let architecture = md.string("general.architecture")?;
+        if !LLAMA_FAMILY.contains(&architecture.as_str()) {
+            return Err(EngineError::Unsupported(format!(
+                "architecture `{architecture}` (supported: {})",
+                LLAMA_FAMILY.join(", ")
+            )));
+        }
+        let key = |k: &str| format!("{architecture}.{k}");
+        let hidden_size = md.usize(&key("embedding_length"))?;
+        let n_heads = md.usize(&key("attention.head_count"))?;
+        let n_kv_heads = md
+            .opt_usize(&key("attention.head_count_kv"))?
+            .unwrap_or(n_heads);
+        let head_dim = match md.opt_usize(&key("rope.dimension_count"))? {
+            Some(d) => d,
+            None => hidden_size / n_heads.max(1),
+        };
+        let vocab_size = match content.tensor_infos.get("token_embd.weight") {
+            Some(info) => info.shape.dims()[0],
+            None => return Err(EngineError::InvalidModel("no token_embd.weight".into())),
+        };
+        let cfg = Self {
+            name: md.opt_string("general.name"),
+            n_layers: md.usize(&key("block_count"))?,
+            ffn_size: md.usize(&key("feed_forward_length"))?,
+            context_length: md.usize(&key("context_length"))?,
+            rope_theta: md.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+            rms_eps: md
+                .opt_f32(&key("attention.layer_norm_rms_epsilon"))?
+                .unwrap_or(1e-5) as f64,
+            architecture,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            hidden_size,
+            vocab_size,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(EngineError::InvalidModel(m));
+        if self.n_layers == 0 || self.n_heads == 0 || self.n_kv_heads == 0 || self.head_dim == 0 {
+            return bad(format!("degenerate shape: {self:?}"));
+        }
+        if self.n_heads % self.n_kv_heads != 0 {
+            return bad(format!(
+                "{} heads is not a multiple of {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return bad(format!("head_dim {} is odd; rope needs pairs", self.head_dim));
+        }
+        if self.context_length == 0 || self.vocab_size == 0 {
+            return bad("context length and vocabulary must be non-empty".into());
+        }
+        Ok(())
+    }
+
+    /// Query heads per KV head.
+    pub fn gqa_group(&self) -> usize {
+        self.n_heads / self.n_kv_heads
+    }
+
+    /// f32 values of K plus V per token, over all layers.
+    pub fn kv_values_per_token(&self) -> usize {
+        2 * self.n_layers * self.n_kv_heads * self.head_dim
+    }
+
+    /// Multiply-accumulates per token in the matmuls (≈ FLOPs / 2), attention excluded.
+    pub fn matmul_macs_per_token(&self) -> usize {
+        let h = self.hidden_size;
+        let qkv = h * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim;
+        let o = self.n_heads * self.head_dim * h;
+        let ffn = 3 * h * self.ffn_size;
+        self.n_layers * (qkv + o + ffn) + h * self.vocab_size
+    }
+}
+
+/// Typed access to GGUF metadata with errors that name the key.
+pub(crate) struct Metadata<'a>(pub &'a HashMap<String, Value>);
+
+impl Metadata<'_> {
+    fn get(&self, key: &str) -> Result<&Value> {
+        self.0
+            .get(key)
+            .ok_or_else(|| EngineError::InvalidModel(format!("missing metadata key `{key}`")))
+    }
+
+    fn wrong(key: &str, e: candle_core::Error) -> EngineError {
+        EngineError::InvalidModel(format!("metadata key `{key}`: {e}"))
+    }
+
+    pub fn string(&self, key: &str) -> Result<String> {
+        Ok(self.get(key)?.to_string().map_err(|e| Self::wrong(key, e))?.clone())
+    }
+
+    pub fn opt_string(&self, key: &str) -> Option<String> {
+        self.0.get(key).and_then(|v| v.to_string().ok().cloned())
+    }
+
+    /// Any integer type, as `usize`.
+    pub fn usize(&self, key: &str) -> Result<usize> {
+        let v = self.get(key)?;
+        let n = match v {
+            Value::U8(x) => *x as u64,
+            Value::U16(x) => *x as u64,
+            Value::U32(x) => *x as u64,
+            Value::U64(x) => *x,
+            Value::I8(x) if *x >= 0 => *x as u64,
+            Value::I16(x) if *x >= 0 => *x as u64,
+            Value::I32(x) if *x >= 0 => *x as u64,
+            Value::I64(x) if *x >= 0 => *x as u64,
+            other => {
+                return Err(EngineError::InvalidModel(format!(
+                    "metadata key `{key}` is not a non-negative integer: {other:?}"
+                )))
+            }
+        };
+        usize::try_from(n).map_err(|_| EngineError::InvalidModel(format!("`{key}` is too large")))
+    }
+
+    pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.0.contains_key(key) {
+            true => self.usize(key).map(Some),
+            false => Ok(None),
+        }
+    }
+
+    pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
+        match self.0.get(key) {
+            None => Ok(None),
+            Some(Value::F64(x)) => Ok(Some(*x as f32)),
+            Some(v) => v.to_f32().map(Some).map_err(|e| Self::wrong(key, e)),
+        }
+    }
+
+    pub fn opt_bool(&self, key: &str) -> Option<bool> {
+        self.0.get(key).and_then(|v| v.to_bool().ok())
+    }
+
+    pub fn array(&self, key: &str) -> Result<&Vec<Value>> {
+        self.get(key)?.to_vec().map_err(|e| Self::wrong(key, e))
+    }
+}

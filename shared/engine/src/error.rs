@@ -1,0 +1,55 @@
+//! The engine's error type: one enum for everything the engine can report.
+
+use crate::kv::KvError;
+
+/// Errors raised by model loading, the forward pass, tokenization and templating.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The model file could not be opened or read.
+    #[error("cannot read model file {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The GGUF file is malformed or lacks something the engine needs.
+    #[error("invalid model file: {0}")]
+    InvalidModel(String),
+    /// The model's architecture or tensor layout is not supported.
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+    /// A tensor operation failed inside candle.
+    #[error("tensor operation failed: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// The KV cache refused an operation (budget exhausted, capacity exceeded, bad import).
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// Tokenization or detokenization failed.
+    #[error("tokenizer error: {0}")]
+    Tokenizer(String),
+    /// The chat template could not be compiled or rendered for these messages.
+    #[error("chat template error: {0}")]
+    ChatTemplate(String),
+    /// The caller passed something the engine cannot process (empty prompt, bad token id, ...).
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+}
+
+impl EngineError {
+    /// A short stable name, for metric labels and error codes.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Io { .. } => "io",
+            Self::InvalidModel(_) => "invalid_model",
+            Self::Unsupported(_) => "unsupported_model",
+            Self::Candle(_) => "tensor",
+            Self::Kv(e) => e.kind(),
+            Self::Tokenizer(_) => "tokenizer",
+            Self::ChatTemplate(_) => "chat_template",
+            Self::InvalidInput(_) => "invalid_input",
+        }
+    }
+}
+
+/// Result alias for the engine.
+pub type Result<T> = std::result::Result<T, EngineError>;

@@ -1,0 +1,63 @@
+//! A stable 64-bit identity for "this model file, loaded this way".
+//!
+//! Two processes exchange KV only when their fingerprints match, so the hash
+//! covers what changes the KV: architecture metadata, every tensor's name,
+//! shape, type and offset, and the weight format. FNV-1a keeps it stable
+//! across builds and platforms (unlike `std`'s `DefaultHasher`).
+
+use candle_core::quantized::gguf_file::{Content, Value};
+
+use crate::weights::WeightFormat;
+
+/// FNV-1a, 64-bit.
+#[derive(Debug, Clone, Copy)]
+pub struct Fnv64(u64);
+
+impl Default for Fnv64 {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv64 {
+    pub fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= *b as u64;
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    pub fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+pub(crate) fn of_content(content: &Content, format: WeightFormat) -> u64 {
+    let mut h = Fnv64::default();
+    let mut keys: Vec<&String> = content
+        .metadata
+        .keys()
+        .filter(|k| !k.starts_with("tokenizer.") && !k.starts_with("general."))
+        .collect();
+    keys.sort();
+    for k in keys {
+        h.write(k.as_bytes());
+        h.write(format_value(&content.metadata[k]).as_bytes());
+    }
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    for n in names {
+        let info = &content.tensor_infos[n];
+        h.write(n.as_bytes());
+        h.write(format!("{:?}{:?}{}", info.shape.dims(), info.ggml_dtype, info.offset).as_bytes());
+    }
+    h.write(format.as_str().as_bytes());
+    h.finish()
+}
+
+fn format_value(v: &Value) -> String {
+    match v {
+        Value::Array(items) => format!("[{} items]", items.len()),
+        other => format!("{other:?}"),
+    }
+}

@@ -1,0 +1,432 @@
+//! A Llama-family transformer whose KV cache lives outside the model.
+//!
+//! One [`Model::forward`] advances any number of sequences by any number of
+//! tokens each: a prompt (prefill, or a chunk of one), one token for each of
+//! many sequences (batched decode), or a mix. All rows go through each matmul
+//! together; attention is per sequence over its own KV.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+use crate::attention::{attention, rms_norm, swiglu, Heads, Rope, SeqView};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::kv::{KvLayout, SeqKv};
+use crate::profile::{Stage, StageClock};
+use crate::weights::{dequantized, Linear, WeightFormat};
+
+/// How to load a model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub weights: WeightFormat,
+    pub device: Device,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            weights: WeightFormat::Q8_0,
+            device: Device::Cpu,
+        }
+    }
+}
+
+/// Some sequences' new tokens: the work of one forward pass.
+pub struct Segment<'a> {
+    /// The sequence's KV; the tokens are appended at `kv.len()`.
+    pub kv: &'a mut SeqKv,
+    pub tokens: &'a [u32],
+}
+
+/// Logits of the last position of each segment, `[segments, vocab]`.
+#[derive(Debug, Clone)]
+pub struct Logits {
+    data: Vec<f32>,
+    vocab: usize,
+}
+
+impl Logits {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    pub fn len(&self) -> usize {
+        self.data.len() / self.vocab
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    pub fn into_rows(self) -> Vec<Vec<f32>> {
+        self.data.chunks_exact(self.vocab).map(<[f32]>::to_vec).collect()
+    }
+}
+
+enum Embedding {
+    Quantized(QTensor),
+    Dense(Tensor),
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    qkv: Linear,
+    wo: Linear,
+    ffn_norm: Vec<f32>,
+    gate_up: Linear,
+    down: Linear,
+}
+
+/// A loaded model. Immutable and `Sync`: one forward at a time per caller.
+pub struct Model {
+    cfg: ModelConfig,
+    format: WeightFormat,
+    device: Device,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    lm_head: Linear,
+    rope: Rope,
+    fingerprint: u64,
+    clock: StageClock,
+}
+
+struct Loader<'a> {
+    content: &'a Content,
+    reader: BufReader<File>,
+    device: &'a Device,
+}
+
+impl Loader<'_> {
+    fn qtensor(&mut self, name: &str) -> Result<QTensor> {
+        self.content
+            .tensor(&mut self.reader, name, self.device)
+            .map_err(|e| EngineError::InvalidModel(format!("tensor `{name}`: {e}")))
+    }
+
+    fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
+        let t = self.qtensor(name)?.dequantize(&Device::Cpu)?;
+        Ok(t.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    fn linear(&mut self, names: &[String], format: WeightFormat) -> Result<Linear> {
+        let parts = names
+            .iter()
+            .map(|n| self.qtensor(n))
+            .collect::<Result<Vec<_>>>()?;
+        Linear::new(parts, format, self.device)
+    }
+}
+
+impl Model {
+    /// Loads a Llama-family GGUF file, converting weights to `opts.weights`.
+    pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Self> {
+        let path = path.as_ref();
+        let io = |source| EngineError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let mut reader = BufReader::new(File::open(path).map_err(io)?);
+        let content = Content::read(&mut reader)
+            .map_err(|e| EngineError::InvalidModel(format!("{}: {e}", path.display())))?;
+        let cfg = ModelConfig::from_gguf(&content)?;
+        let fingerprint = crate::fingerprint::of_content(&content, opts.weights);
+        let mut ld = Loader {
+            content: &content,
+            reader,
+            device: &opts.device,
+        };
+        let layers = (0..cfg.n_layers)
+            .map(|i| load_layer(&mut ld, i, opts.weights))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = ld.vector("output_norm.weight")?;
+        let (embed, lm_head) = load_embeddings(&mut ld, opts.weights)?;
+        check_shapes(&cfg, &layers, &lm_head)?;
+        Ok(Self {
+            rope: Rope::new(cfg.head_dim, cfg.rope_theta, cfg.context_length),
+            cfg,
+            format: opts.weights,
+            device: opts.device.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            fingerprint,
+            clock: StageClock::default(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn weight_format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// Identifies the model file's architecture, tensors and weight format: two
+    /// processes whose fingerprints match compute the same KV.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Time spent per stage of the forward pass since the last reset.
+    pub fn stage_clock(&self) -> &StageClock {
+        &self.clock
+    }
+
+    /// The KV layout this model reads and writes.
+    pub fn kv_layout(&self) -> KvLayout {
+        KvLayout {
+            n_layers: self.cfg.n_layers,
+            n_kv_heads: self.cfg.n_kv_heads,
+            head_dim: self.cfg.head_dim,
+        }
+    }
+
+    /// Runs `tokens` (a whole prompt, or the next chunk of one) into `kv` and
+    /// returns the logits of the last position.
+    pub fn prefill(&self, tokens: &[u32], kv: &mut SeqKv) -> Result<Vec<f32>> {
+        let logits = self.forward(&mut [Segment { kv, tokens }], &mut |_| {})?;
+        Ok(logits.data)
+    }
+
+    /// Advances every sequence by one token; returns `[batch, vocab]` logits.
+    pub fn decode_step(&self, batch: &mut [(&mut SeqKv, u32)]) -> Result<Logits> {
+        let tokens: Vec<[u32; 1]> = batch.iter().map(|(_, t)| [*t]).collect();
+        let mut segs: Vec<Segment> = batch
+            .iter_mut()
+            .zip(&tokens)
+            .map(|((kv, _), t)| Segment { kv, tokens: t })
+            .collect();
+        self.forward(&mut segs, &mut |_| {})
+    }
+
+    /// The general forward: appends each segment's tokens to its KV and returns
+    /// the last-position logits of every segment. `on_layer(l)` is called once
+    /// layer `l`'s KV is written for all segments (to stream it while the
+    /// forward goes on). On error, no segment's KV changes.
+    pub fn forward(
+        &self,
+        segs: &mut [Segment<'_>],
+        on_layer: &mut dyn FnMut(usize),
+    ) -> Result<Logits> {
+        let rows = self.plan(segs)?;
+        let result = self.run_layers(segs, &rows, on_layer);
+        for s in segs.iter_mut() {
+            if result.is_ok() {
+                s.kv.commit(s.tokens.len());
+            } else {
+                s.kv.rollback();
+            }
+        }
+        let x = result?;
+        self.head(&x, segs)
+    }
+
+    /// Validates the batch and maps each row to (segment, position).
+    fn plan(&self, segs: &[Segment<'_>]) -> Result<Vec<(usize, usize)>> {
+        if segs.is_empty() {
+            return Err(EngineError::InvalidInput("empty batch".into()));
+        }
+        let mut rows = Vec::new();
+        for (i, s) in segs.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(EngineError::InvalidInput(format!("segment {i} has no tokens")));
+            }
+            if s.kv.layout() != self.kv_layout() {
+                return Err(EngineError::InvalidInput(format!(
+                    "segment {i}: KV layout {:?} does not match the model's {:?}",
+                    s.kv.layout(),
+                    self.kv_layout()
+                )));
+            }
+            if let Some(bad) = s.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+                return Err(EngineError::InvalidInput(format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    self.cfg.vocab_size
+                )));
+            }
+            let end = s.kv.len() + s.tokens.len();
+            if end > self.rope.max_pos() {
+                return Err(EngineError::InvalidInput(format!(
+                    "sequence of {end} tokens exceeds the context window of {}",
+                    self.rope.max_pos()
+                )));
+            }
+            s.kv.ensure_room(s.tokens.len())?;
+            rows.extend((s.kv.len()..end).map(|p| (i, p)));
+        }
+        Ok(rows)
+    }
+
+    fn run_layers(
+        &self,
+        segs: &mut [Segment<'_>],
+        rows: &[(usize, usize)],
+        on_layer: &mut dyn FnMut(usize),
+    ) -> Result<Vec<f32>> {
+        let tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let mut x = self.clock.time(Stage::Embed, || self.embed(&tokens))?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            self.attention_block(l, layer, &mut x, segs, rows)?;
+            self.ffn_block(layer, &mut x)?;
+            on_layer(l);
+        }
+        Ok(x)
+    }
+
+    fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let ids = Tensor::new(tokens, &self.device)?;
+        let t = match &self.embed {
+            Embedding::Quantized(q) => q.embedding(&ids)?,
+            Embedding::Dense(w) => w.index_select(&ids, 0)?,
+        };
+        Ok(t.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    fn heads(&self) -> Heads {
+        Heads {
+            n_heads: self.cfg.n_heads,
+            n_kv_heads: self.cfg.n_kv_heads,
+            head_dim: self.cfg.head_dim,
+        }
+    }
+
+    fn attention_block(
+        &self,
+        l: usize,
+        layer: &Layer,
+        x: &mut [f32],
+        segs: &mut [Segment<'_>],
+        rows: &[(usize, usize)],
+    ) -> Result<()> {
+        let c = &self.clock;
+        let h = c.time(Stage::Elementwise, || rms_norm(x, &layer.attn_norm, self.cfg.rms_eps));
+        let qkv = c.time(Stage::QkvMatmul, || layer.qkv.forward(&h, &self.device))?;
+        let (q, k, v) = c.time(Stage::Elementwise, || self.split_rope(&qkv, rows));
+        let kv_w = self.kv_layout().row();
+        let mut offset = 0;
+        for s in segs.iter_mut() {
+            let n = s.tokens.len() * kv_w;
+            s.kv.append(l, &k[offset..offset + n], &v[offset..offset + n]);
+            offset += n;
+        }
+        let views: Vec<SeqView> = segs
+            .iter()
+            .map(|s| {
+                let (k, v) = s.kv.layer(l);
+                SeqView { k, v }
+            })
+            .collect();
+        let mut attn = vec![0f32; q.len()];
+        c.time(Stage::Attention, || attention(&q, &views, rows, self.heads(), &mut attn));
+        let o = c.time(Stage::OutMatmul, || layer.wo.forward(&attn, &self.device))?;
+        c.time(Stage::Elementwise, || x.iter_mut().zip(&o).for_each(|(a, b)| *a += b));
+        Ok(())
+    }
+
+    /// Splits fused QKV rows into Q, K and V and rotates Q and K.
+    fn split_rope(&self, qkv: &[f32], rows: &[(usize, usize)]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (q_w, kv_w) = (self.cfg.n_heads * self.cfg.head_dim, self.kv_layout().row());
+        let mut q = Vec::with_capacity(rows.len() * q_w);
+        let mut k = Vec::with_capacity(rows.len() * kv_w);
+        let mut v = Vec::with_capacity(rows.len() * kv_w);
+        for (row, &(_, pos)) in qkv.chunks_exact(q_w + 2 * kv_w).zip(rows) {
+            let (q_start, k_start) = (q.len(), k.len());
+            q.extend_from_slice(&row[..q_w]);
+            k.extend_from_slice(&row[q_w..q_w + kv_w]);
+            v.extend_from_slice(&row[q_w + kv_w..]);
+            self.rope.apply(&mut q[q_start..], pos);
+            self.rope.apply(&mut k[k_start..], pos);
+        }
+        (q, k, v)
+    }
+
+    fn ffn_block(&self, layer: &Layer, x: &mut [f32]) -> Result<()> {
+        let c = &self.clock;
+        let h = c.time(Stage::Elementwise, || rms_norm(x, &layer.ffn_norm, self.cfg.rms_eps));
+        let gate_up = c.time(Stage::GateUpMatmul, || layer.gate_up.forward(&h, &self.device))?;
+        let act = c.time(Stage::Elementwise, || swiglu(&gate_up, self.cfg.ffn_size));
+        let d = c.time(Stage::DownMatmul, || layer.down.forward(&act, &self.device))?;
+        c.time(Stage::Elementwise, || x.iter_mut().zip(&d).for_each(|(a, b)| *a += b));
+        Ok(())
+    }
+
+    /// Final norm and LM head on the last row of each segment.
+    fn head(&self, x: &[f32], segs: &[Segment<'_>]) -> Result<Logits> {
+        let hidden = self.cfg.hidden_size;
+        let mut last = Vec::with_capacity(segs.len() * hidden);
+        let mut end = 0;
+        for s in segs {
+            end += s.tokens.len();
+            last.extend_from_slice(&x[(end - 1) * hidden..end * hidden]);
+        }
+        let data = self.clock.time(Stage::LmHead, || {
+            let h = rms_norm(&last, &self.norm, self.cfg.rms_eps);
+            self.lm_head.forward(&h, &self.device)
+        })?;
+        Ok(Logits {
+            data,
+            vocab: self.lm_head.out_dim(),
+        })
+    }
+}
+
+fn load_layer(ld: &mut Loader<'_>, i: usize, format: WeightFormat) -> Result<Layer> {
+    let n = |s: &str| format!("blk.{i}.{s}.weight");
+    Ok(Layer {
+        attn_norm: ld.vector(&n("attn_norm"))?,
+        qkv: ld.linear(&[n("attn_q"), n("attn_k"), n("attn_v")], format)?,
+        wo: ld.linear(&[n("attn_output")], format)?,
+        ffn_norm: ld.vector(&n("ffn_norm"))?,
+        gate_up: ld.linear(&[n("ffn_gate"), n("ffn_up")], format)?,
+        down: ld.linear(&[n("ffn_down")], format)?,
+    })
+}
+
+/// Token embeddings and the LM head, which is tied to them when the file has no `output.weight`.
+fn load_embeddings(ld: &mut Loader<'_>, format: WeightFormat) -> Result<(Embedding, Linear)> {
+    let has_output = ld.content.tensor_infos.contains_key("output.weight");
+    let table = ld.qtensor("token_embd.weight")?;
+    if format == WeightFormat::F32 {
+        let candle_core::quantized::QMatMul::Tensor(dense) = dequantized(&[table], ld.device)?
+        else {
+            unreachable!("dequantized always yields an f32 tensor")
+        };
+        let head = match has_output {
+            true => ld.linear(&["output.weight".to_string()], format)?,
+            false => Linear::from_f32(dense.clone())?,
+        };
+        return Ok((Embedding::Dense(dense), head));
+    }
+    let head = match has_output {
+        true => ld.linear(&["output.weight".to_string()], format)?,
+        false => Linear::new(vec![ld.qtensor("token_embd.weight")?], format, ld.device)?,
+    };
+    let embed = match table.dtype() {
+        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+            Embedding::Dense(table.dequantize(ld.device)?)
+        }
+        _ => Embedding::Quantized(table),
+    };
+    Ok((embed, head))
+}
+
+fn check_shapes(cfg: &ModelConfig, layers: &[Layer], lm_head: &Linear) -> Result<()> {
+    let qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim;
+    let bad = layers.iter().any(|l| {
+        l.qkv.out_dim() != qkv || l.gate_up.out_dim() != 2 * cfg.ffn_size || l.wo.out_dim() != cfg.hidden_size
+    });
+    if bad || lm_head.out_dim() != cfg.vocab_size {
+        return Err(EngineError::InvalidModel(
+            "tensor shapes do not match the metadata's hyper-parameters".into(),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,183 @@
+//! Weight formats and linear layers.
+//!
+//! Q4_1 has no SIMD kernel in candle, so the engine converts weights at load:
+//! `q8_0` requantizes them (a fast GEMV for decode), `f32` dequantizes them (a
+//! real GEMM for prefill), `native` keeps what the file holds. Projections that
+//! read the same input (Q|K|V, gate|up) are fused into one matrix.
+
+use std::str::FromStr;
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+
+use crate::error::{EngineError, Result};
+
+/// How weights are held in memory, chosen at load time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    /// As stored in the file (Q4_1 for the default model: slow scalar kernels).
+    Native,
+    /// Requantized to Q8_0: the fastest single-sequence decode.
+    Q8_0,
+    /// Dequantized to f32: a real GEMM, the fastest prefill.
+    F32,
+}
+
+impl WeightFormat {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Native => "native",
+            Self::Q8_0 => "q8_0",
+            Self::F32 => "f32",
+        }
+    }
+}
+
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for WeightFormat {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "native" => Ok(Self::Native),
+            "q8_0" | "q8" => Ok(Self::Q8_0),
+            "f32" => Ok(Self::F32),
+            other => Err(format!(
+                "unknown weight format `{other}` (expected native, q8_0 or f32)"
+            )),
+        }
+    }
+}
+
+/// A linear layer `y = x · Wᵀ`, possibly several fused along the output dimension.
+#[derive(Debug)]
+pub(crate) struct Linear {
+    /// One part when fused; several when parts could not be fused (mixed native types).
+    parts: Vec<(QMatMul, usize)>,
+    in_dim: usize,
+    out_dim: usize,
+}
+
+impl Linear {
+    /// Builds one layer from `parts` (each `[out_i, in]`), converted to `format`.
+    pub fn new(parts: Vec<QTensor>, format: WeightFormat, device: &Device) -> Result<Self> {
+        let first = parts
+            .first()
+            .ok_or_else(|| EngineError::InvalidModel("linear layer without weights".into()))?;
+        let in_dim = dims2(first)?.1;
+        let mut out_dim = 0;
+        for p in &parts {
+            let (o, i) = dims2(p)?;
+            if i != in_dim {
+                return Err(EngineError::InvalidModel(format!(
+                    "fused weights disagree on input size: {i} vs {in_dim}"
+                )));
+            }
+            out_dim += o;
+        }
+        let parts = match format {
+            WeightFormat::F32 => vec![(dequantized(&parts, device)?, out_dim)],
+            WeightFormat::Q8_0 => vec![(requantized(parts, GgmlDType::Q8_0, device)?, out_dim)],
+            WeightFormat::Native => native(parts, device)?,
+        };
+        Ok(Self {
+            parts,
+            in_dim,
+            out_dim,
+        })
+    }
+
+    /// A layer that shares an already-dequantized f32 matrix.
+    pub fn from_f32(w: Tensor) -> Result<Self> {
+        let (out_dim, in_dim) = w.dims2()?;
+        Ok(Self {
+            parts: vec![(QMatMul::Tensor(w), out_dim)],
+            in_dim,
+            out_dim,
+        })
+    }
+
+    pub fn out_dim(&self) -> usize {
+        self.out_dim
+    }
+
+    /// `x` is `[rows, in]`, row-major; returns `[rows, out]`.
+    pub fn forward(&self, x: &[f32], device: &Device) -> Result<Vec<f32>> {
+        let rows = x.len() / self.in_dim;
+        let xt = Tensor::from_slice(x, (rows, self.in_dim), device)?;
+        if let [(w, _)] = self.parts.as_slice() {
+            return Ok(w.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?);
+        }
+        let mut out = vec![0f32; rows * self.out_dim];
+        let mut col = 0;
+        for (w, width) in &self.parts {
+            let part = w.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
+            for (dst, src) in out.chunks_exact_mut(self.out_dim).zip(part.chunks_exact(*width)) {
+                dst[col..col + width].copy_from_slice(src);
+            }
+            col += width;
+        }
+        Ok(out)
+    }
+}
+
+fn dims2(t: &QTensor) -> Result<(usize, usize)> {
+    Ok(t.shape().dims2()?)
+}
+
+/// Dequantizes and concatenates along the output dimension.
+pub(crate) fn dequantized(parts: &[QTensor], device: &Device) -> Result<QMatMul> {
+    let ts = parts
+        .iter()
+        .map(|p| p.dequantize(device))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(QMatMul::Tensor(Tensor::cat(&ts, 0)?))
+}
+
+fn requantized(mut parts: Vec<QTensor>, dtype: GgmlDType, device: &Device) -> Result<QMatMul> {
+    if parts.len() == 1 && parts[0].dtype() == dtype {
+        return Ok(QMatMul::QTensor(Arc::new(parts.remove(0))));
+    }
+    let QMatMul::Tensor(t) = dequantized(&parts, device)? else {
+        unreachable!("dequantized always yields an f32 tensor")
+    };
+    let (_, in_dim) = t.dims2()?;
+    if in_dim % dtype.block_size() != 0 {
+        return Err(EngineError::Unsupported(format!(
+            "input size {in_dim} is not a multiple of the {dtype:?} block size"
+        )));
+    }
+    Ok(QMatMul::QTensor(Arc::new(QTensor::quantize(&t, dtype)?)))
+}
+
+/// Keeps the stored type; fuses by concatenating raw blocks when the parts agree.
+fn native(parts: Vec<QTensor>, device: &Device) -> Result<Vec<(QMatMul, usize)>> {
+    let dtype = parts[0].dtype();
+    if matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
+        let out: usize = parts.iter().map(|p| p.shape().dims()[0]).sum();
+        return Ok(vec![(dequantized(&parts, device)?, out)]);
+    }
+    if parts.len() > 1 && parts.iter().all(|p| p.dtype() == dtype) {
+        let (mut bytes, mut rows) = (Vec::new(), 0);
+        let in_dim = dims2(&parts[0])?.1;
+        for p in &parts {
+            bytes.extend_from_slice(&p.data()?);
+            rows += dims2(p)?.0;
+        }
+        let storage = candle_core::quantized::QStorage::from_data(bytes.into(), device, dtype)?;
+        let fused = QTensor::new(storage, (rows, in_dim))?;
+        return Ok(vec![(QMatMul::QTensor(Arc::new(fused)), rows)]);
+    }
+    parts
+        .into_iter()
+        .map(|p| {
+            let rows = dims2(&p)?.0;
+            Ok((QMatMul::QTensor(Arc::new(p)), rows))
+        })
+        .collect()
+}

@@ -1,0 +1,157 @@
+//! Tests against the real SmolLM2 model. They run whenever its file is
+//! present (CI fetches it); otherwise they print a note and pass.
+
+mod common;
+
+use common::*;
+use pdserve_engine::{ChatMessage, KvDtype, Model, Tokenizer, WeightFormat};
+
+fn chatml(question: &str) -> String {
+    format!("<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+}
+
+#[test]
+fn tokenizer_matches_llama_cpp_ids() {
+    let Some(path) = real_model() else { return };
+    let tok = Tokenizer::from_gguf_file(&path).unwrap();
+    let ids = tok.encode(&chatml("What is the capital of France?"), true).unwrap();
+    assert_eq!(ids, [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]);
+    let ids = tok.encode("naïve café 東京 🦀 1234 x", true).unwrap();
+    assert_eq!(
+        ids,
+        [3546, 46494, 37366, 17097, 247, 126, 16736, 122, 15107, 116, 218, 216, 33, 34, 35, 36, 1792]
+    );
+}
+
+#[test]
+fn tokenizer_round_trips() {
+    let Some(path) = real_model() else { return };
+    let tok = Tokenizer::from_gguf_file(&path).unwrap();
+    for text in [
+        chatml("Hi there"),
+        "東京タワーは高い。中文也可以。한국어".to_string(),
+        "emoji 🦀🎉👍🏽 and ZWJ 👨‍👩‍👧".to_string(),
+        "fn main() {\r\n    println!(\"hi\");\r\n}\r\n".to_string(),
+        "  leading and trailing spaces  ".to_string(),
+        "\ttabs\n\nnewlines \u{a0}nbsp".to_string(),
+    ] {
+        let ids = tok.encode(&text, false).unwrap();
+        assert_eq!(tok.decode(&ids, false).unwrap(), text);
+    }
+}
+
+#[test]
+fn chat_template_renders_the_default_system_prompt() {
+    let Some(path) = real_model() else { return };
+    let tok = Tokenizer::from_gguf_file(&path).unwrap();
+    let text = tok.apply_chat_template(&[ChatMessage::new("user", "Hi")], true).unwrap();
+    assert!(text.starts_with("<|im_start|>system\nYou are a helpful AI assistant"), "{text}");
+    assert!(text.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), "{text}");
+}
+
+fn answer(model: &Model, tok: &Tokenizer, question: &str, n: usize) -> String {
+    let ids = tok.encode(&chatml(question), true).unwrap();
+    let pool = pool(model);
+    let mut kv = pool.allocate(ids.len() + n).unwrap();
+    let logits = model.prefill(&ids, &mut kv).unwrap();
+    let out = greedy(model, &mut kv, &logits, n);
+    tok.decode(&out, true).unwrap()
+}
+
+#[test]
+fn greedy_answer_names_paris_in_every_weight_format() {
+    let Some(path) = real_model() else { return };
+    let tok = Tokenizer::from_gguf_file(&path).unwrap();
+    for format in [WeightFormat::F32, WeightFormat::Q8_0] {
+        let model = load(&path, format);
+        let text = answer(&model, &tok, "What is the capital of France?", 24);
+        assert!(text.contains("Paris"), "{format}: {text}");
+    }
+}
+
+#[test]
+fn batched_decode_of_eight_prompts_equals_decoding_each_alone() {
+    let Some(path) = real_model() else { return };
+    let tok = Tokenizer::from_gguf_file(&path).unwrap();
+    let model = load(&path, WeightFormat::Q8_0);
+    let questions = [
+        "What is the capital of France?",
+        "Name a prime number.",
+        "Write a haiku about rust.",
+        "What is 2+2?",
+        "Who wrote Hamlet?",
+        "Describe the color blue in one sentence, please, with some detail.",
+        "Hi",
+        "List three fruits.",
+    ];
+    let n = 16;
+    let pool = pool(&model);
+    let prompts: Vec<Vec<u32>> = questions.iter().map(|q| tok.encode(&chatml(q), true).unwrap()).collect();
+    // Alone.
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut kv = pool.allocate(p.len() + n).unwrap();
+            let logits = model.prefill(p, &mut kv).unwrap();
+            greedy(&model, &mut kv, &logits, n)
+        })
+        .collect();
+    // Together: each prefilled alone, then every decode step batched.
+    let mut kvs = Vec::new();
+    let mut outs: Vec<Vec<u32>> = Vec::new();
+    for p in &prompts {
+        let mut kv = pool.allocate(p.len() + n).unwrap();
+        outs.push(vec![argmax(&model.prefill(p, &mut kv).unwrap())]);
+        kvs.push(kv);
+    }
+    for _ in 1..n {
+        let mut batch: Vec<_> = kvs.iter_mut().zip(&outs).map(|(kv, o)| (kv, *o.last().unwrap())).collect();
+        let logits = model.decode_step(&mut batch).unwrap();
+        for (i, o) in outs.iter_mut().enumerate() {
+            o.push(argmax(logits.row(i)));
+        }
+    }
+    assert_eq!(outs, alone);
+}
+
+#[test]
+fn kv_export_import_then_decode_equals_never_exporting() {
+    let Some(path) = real_model() else { return };
+    let tok = Tokenizer::from_gguf_file(&path).unwrap();
+    let model = load(&path, WeightFormat::F32);
+    let ids = tok.encode(&chatml("Tell me about the moon."), true).unwrap();
+    let n = 20;
+    let pool = pool(&model);
+    let mut kv = pool.allocate(ids.len() + n).unwrap();
+    let logits = model.prefill(&ids, &mut kv).unwrap();
+    let mut moved = pool.allocate(ids.len() + n).unwrap();
+    for l in 0..model.config().n_layers {
+        let mut bytes = Vec::new();
+        kv.export_layer(l, KvDtype::F32, &mut bytes);
+        moved.import_layer(l, KvDtype::F32, ids.len(), &bytes).unwrap();
+    }
+    moved.finish_import(ids.len()).unwrap();
+    let expected = greedy(&model, &mut kv, &logits, n);
+    assert_eq!(greedy(&model, &mut moved, &logits, n), expected);
+}
+
+#[test]
+fn chunked_prefill_matches_one_shot_on_the_real_model() {
+    let Some(path) = real_model() else { return };
+    let tok = Tokenizer::from_gguf_file(&path).unwrap();
+    let model = load(&path, WeightFormat::F32);
+    let ids = tok.encode(&chatml(&"The quick brown fox jumps over the lazy dog. ".repeat(6)), true).unwrap();
+    let pool = pool(&model);
+    let mut one = pool.allocate(ids.len()).unwrap();
+    let want = model.prefill(&ids, &mut one).unwrap();
+    let mut chunked = pool.allocate(ids.len()).unwrap();
+    let mut got = Vec::new();
+    for chunk in ids.chunks(17) {
+        got = model.prefill(chunk, &mut chunked).unwrap();
+    }
+    assert!(max_abs_diff(&got, &want) < 1e-3, "{}", max_abs_diff(&got, &want));
+    for l in 0..model.config().n_layers {
+        assert!(max_abs_diff(one.layer(l).0, chunked.layer(l).0) < 1e-3);
+        assert!(max_abs_diff(one.layer(l).1, chunked.layer(l).1) < 1e-3);
+    }
+}
