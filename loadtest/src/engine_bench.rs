@@ -17,7 +17,12 @@ pub struct EngineArgs {
     #[arg(long, env = "PDSERVE_MODEL")]
     model: PathBuf,
     /// Weight formats to measure, comma-separated (native, q8_0, f32).
-    #[arg(long, env = "PDSERVE_BENCH_WEIGHTS", value_delimiter = ',', default_value = "f32,q8_0")]
+    #[arg(
+        long,
+        env = "PDSERVE_BENCH_WEIGHTS",
+        value_delimiter = ',',
+        default_value = "f32,q8_0"
+    )]
     weights: Vec<WeightFormat>,
     /// Threads for the model's pools (0 = one per core).
     #[arg(long, env = "PDSERVE_THREADS", default_value_t = 2)]
@@ -58,14 +63,27 @@ struct EngineResult {
 }
 
 pub fn run(args: EngineArgs) -> Result<()> {
-    anyhow::ensure!(args.reps > 0 && args.decode_steps > 0, "--reps and --decode-steps must be > 0");
+    anyhow::ensure!(
+        args.reps > 0 && args.decode_steps > 0,
+        "--reps and --decode-steps must be > 0"
+    );
     let threads = pdserve_engine::threads::configure(args.threads);
     let mut results = Vec::new();
     for &weights in &args.weights {
         let started = Instant::now();
-        let model = Model::load(&args.model, &LoadOptions { weights, ..Default::default() })
-            .with_context(|| format!("loading {}", args.model.display()))?;
-        eprintln!("loaded {} as {weights} in {:.2} s", args.model.display(), started.elapsed().as_secs_f64());
+        let model = Model::load(
+            &args.model,
+            &LoadOptions {
+                weights,
+                ..Default::default()
+            },
+        )
+        .with_context(|| format!("loading {}", args.model.display()))?;
+        eprintln!(
+            "loaded {} as {weights} in {:.2} s",
+            args.model.display(),
+            started.elapsed().as_secs_f64()
+        );
         results.push(bench_model(&model, &args, threads)?);
     }
     print_table(&results, &args);
@@ -107,8 +125,11 @@ fn bench_model(model: &Model, args: &EngineArgs, threads: usize) -> Result<Engin
         }
     }
     for &batch in &args.decode_batches {
-        let secs = timed(model.stage_clock(), args.reps, || decode_run(model, &pool, batch, args))?;
-        out.decode_tok_s.insert(batch.to_string(), (batch * args.decode_steps) as f64 / secs);
+        let secs = timed(model.stage_clock(), args.reps, || {
+            decode_run(model, &pool, batch, args)
+        })?;
+        out.decode_tok_s
+            .insert(batch.to_string(), (batch * args.decode_steps) as f64 / secs);
         if batch == biggest {
             out.profile_decode = stage_map(model.stage_clock());
         }
@@ -158,7 +179,13 @@ fn argmax(logits: &[f32]) -> u32 {
     logits
         .iter()
         .enumerate()
-        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) })
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+            if v > bv {
+                (i, v)
+            } else {
+                (bi, bv)
+            }
+        })
         .0 as u32
 }
 
@@ -167,19 +194,34 @@ fn synthetic_prompt(model: &Model, len: usize, salt: u32) -> Vec<u32> {
     let vocab = model.config().vocab_size as u32;
     let base = 100.min(vocab / 2);
     (0..len as u32)
-        .map(|i| base + (i.wrapping_mul(2_654_435_761).wrapping_add(salt * 97) >> 7) % (vocab - base))
+        .map(|i| {
+            base + (i.wrapping_mul(2_654_435_761).wrapping_add(salt * 97) >> 7) % (vocab - base)
+        })
         .collect()
 }
 
 fn stage_map(clock: &StageClock) -> BTreeMap<String, f64> {
-    clock.snapshot().into_iter().map(|(s, secs)| (s.name().to_string(), secs)).collect()
+    clock
+        .snapshot()
+        .into_iter()
+        .map(|(s, secs)| (s.name().to_string(), secs))
+        .collect()
 }
 
 fn print_table(results: &[EngineResult], args: &EngineArgs) {
-    println!("\n{:<8} {:>8} {:<26} {:>12}", "weights", "threads", "measure", "tok/s");
+    println!(
+        "\n{:<8} {:>8} {:<26} {:>12}",
+        "weights", "threads", "measure", "tok/s"
+    );
     for r in results {
         for (len, v) in sorted(&r.prefill_tok_s) {
-            println!("{:<8} {:>8} {:<26} {:>12.1}", r.weights, r.threads, format!("prefill {len} tokens"), v);
+            println!(
+                "{:<8} {:>8} {:<26} {:>12.1}",
+                r.weights,
+                r.threads,
+                format!("prefill {len} tokens"),
+                v
+            );
         }
         for (b, v) in sorted(&r.decode_tok_s) {
             let what = format!("decode x{b} @ctx {}", args.decode_context);
@@ -188,14 +230,23 @@ fn print_table(results: &[EngineResult], args: &EngineArgs) {
     }
     if args.profile {
         for r in results {
-            print_profile(&format!("{} prefill (longest prompt)", r.weights), &r.profile_prefill);
-            print_profile(&format!("{} decode (largest batch)", r.weights), &r.profile_decode);
+            print_profile(
+                &format!("{} prefill (longest prompt)", r.weights),
+                &r.profile_prefill,
+            );
+            print_profile(
+                &format!("{} decode (largest batch)", r.weights),
+                &r.profile_decode,
+            );
         }
     }
 }
 
 fn sorted(m: &BTreeMap<String, f64>) -> Vec<(usize, f64)> {
-    let mut v: Vec<(usize, f64)> = m.iter().filter_map(|(k, v)| Some((k.parse().ok()?, *v))).collect();
+    let mut v: Vec<(usize, f64)> = m
+        .iter()
+        .filter_map(|(k, v)| Some((k.parse().ok()?, *v)))
+        .collect();
     v.sort_by_key(|(k, _)| *k);
     v
 }

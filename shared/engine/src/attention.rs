@@ -1,9 +1,9 @@
 //! Hand-written kernels over raw slices: rotary embeddings and causal attention
-//! against the external KV cache. Attention runs one rayon task per
-//! (token row, KV head), so all query heads that share a KV head read each K/V
-//! row once, and sequences of different lengths batch without padding.
+//! against the external KV cache. Attention runs one task per (token row, KV
+//! head), so all query heads that share a KV head read each K/V row once, and
+//! sequences of different lengths batch without padding.
 
-use rayon::prelude::*;
+use crate::simd;
 
 /// Shape of the attention heads.
 #[derive(Debug, Clone, Copy)]
@@ -69,7 +69,7 @@ impl Rope {
     }
 }
 
-/// One sequence's view for attention: its KV in this layer and where its rows sit.
+/// One sequence's view for attention: its KV in this layer.
 pub(crate) struct SeqView<'a> {
     pub k: &'a [f32],
     pub v: &'a [f32],
@@ -78,6 +78,10 @@ pub(crate) struct SeqView<'a> {
 /// Causal attention. `q` is `[rows, n_heads * head_dim]`; row `r` belongs to
 /// sequence `row_seq[r].0` at absolute position `row_seq[r].1` and attends to
 /// that sequence's KV rows `0..=pos`. Writes `[rows, n_heads * head_dim]` into `out`.
+///
+/// Work items are (row, KV head) pairs, shared out on candle's own thread
+/// pool: the same threads that run the quantized matmuls, so the two never
+/// compete for cores.
 pub(crate) fn attention(
     q: &[f32],
     seqs: &[SeqView<'_>],
@@ -85,77 +89,77 @@ pub(crate) fn attention(
     heads: Heads,
     out: &mut [f32],
 ) {
-    let hd = heads.head_dim;
-    let group = heads.group();
-    let q_row = heads.n_heads * hd;
-    let kv_row = heads.n_kv_heads * hd;
-    let scale = 1.0 / (hd as f32).sqrt();
-    out.par_chunks_mut(group * hd)
-        .enumerate()
-        .for_each_init(Vec::new, |scores, (item, out)| {
-            let (row, kvh) = (item / heads.n_kv_heads, item % heads.n_kv_heads);
-            let (seq, pos) = row_seq[row];
-            let view = &seqs[seq];
-            let q0 = row * q_row + kvh * group * hd;
-            let q = &q[q0..q0 + group * hd];
-            let ctx = pos + 1;
-            scores.clear();
-            scores.resize(group * ctx, 0.0);
-            for t in 0..ctx {
-                let k = &view.k[t * kv_row + kvh * hd..][..hd];
-                for g in 0..group {
-                    scores[g * ctx + t] = dot(&q[g * hd..(g + 1) * hd], k) * scale;
-                }
-            }
-            out.fill(0.0);
-            for g in 0..group {
-                let s = &mut scores[g * ctx..(g + 1) * ctx];
-                softmax_in_place(s);
-                let o = &mut out[g * hd..(g + 1) * hd];
-                for (t, p) in s.iter().enumerate() {
-                    axpy(*p, &view.v[t * kv_row + kvh * hd..][..hd], o);
-                }
-            }
-        });
+    let width = heads.group() * heads.head_dim;
+    let items = row_seq.len() * heads.n_kv_heads;
+    assert_eq!(
+        out.len(),
+        items * width,
+        "attention output has the wrong size"
+    );
+    let out_ptr = SharedOut(out.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+        let mut scores = Vec::new();
+        for item in range {
+            // SAFETY: each item writes only its own `width`-wide chunk of `out`,
+            // items are distinct, and `out` outlives this call (execute_chunked
+            // returns only after every worker is done).
+            let chunk = unsafe { std::slice::from_raw_parts_mut(out_ptr.at(item * width), width) };
+            attend_one(q, seqs, row_seq, heads, item, &mut scores, chunk);
+        }
+    });
 }
 
-/// Dot product with independent accumulators so it vectorizes.
-#[inline]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const W: usize = 16;
-    let mut acc = [0f32; W];
-    let (ca, cb) = (a.chunks_exact(W), b.chunks_exact(W));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..W {
-            acc[i] += x[i] * y[i];
+/// A pointer to the output that worker threads write disjoint chunks of.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: writers touch disjoint ranges (see `attention`).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// # Safety
+    /// `offset` must be within the output the pointer was made from.
+    unsafe fn at(self, offset: usize) -> *mut f32 {
+        unsafe { self.0.add(offset) }
+    }
+}
+
+/// The query heads of one KV head for one row, against that sequence's KV.
+fn attend_one(
+    q: &[f32],
+    seqs: &[SeqView<'_>],
+    row_seq: &[(usize, usize)],
+    heads: Heads,
+    item: usize,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let (hd, group) = (heads.head_dim, heads.group());
+    let kv_row = heads.n_kv_heads * hd;
+    let (row, kvh) = (item / heads.n_kv_heads, item % heads.n_kv_heads);
+    let (seq, pos) = row_seq[row];
+    let view = &seqs[seq];
+    let q0 = row * heads.n_heads * hd + kvh * group * hd;
+    let q = &q[q0..q0 + group * hd];
+    let ctx = pos + 1;
+    let scale = 1.0 / (hd as f32).sqrt();
+    scores.clear();
+    scores.resize(group * ctx, 0.0);
+    for t in 0..ctx {
+        let k = &view.k[t * kv_row + kvh * hd..][..hd];
+        for g in 0..group {
+            scores[g * ctx + t] = simd::dot(&q[g * hd..(g + 1) * hd], k) * scale;
         }
     }
-    acc.iter().sum::<f32>() + tail
-}
-
-/// `y += a * x`.
-#[inline]
-fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += a * xi;
+    out.fill(0.0);
+    for g in 0..group {
+        let s = &mut scores[g * ctx..(g + 1) * ctx];
+        let total = simd::exp_shifted(s, simd::max(s));
+        let o = &mut out[g * hd..(g + 1) * hd];
+        for (t, p) in s.iter().enumerate() {
+            simd::axpy(*p / total, &view.v[t * kv_row + kvh * hd..][..hd], o);
+        }
     }
-}
-
-fn softmax_in_place(s: &mut [f32]) {
-    let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for x in s.iter_mut() {
-        *x = (*x - max).exp();
-        sum += *x;
-    }
-    let inv = 1.0 / sum;
-    s.iter_mut().for_each(|x| *x *= inv);
 }
 
 /// RMS normalisation of each `dim`-wide row of `x`, scaled by `weight`.
@@ -163,7 +167,7 @@ pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f64) -> Vec<f32> {
     let dim = weight.len();
     let mut out = vec![0f32; x.len()];
     for (src, dst) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        let ms = dot(src, src) / dim as f32;
+        let ms = simd::dot(src, src) / dim as f32;
         let inv = 1.0 / (ms + eps as f32).sqrt();
         for ((d, s), w) in dst.iter_mut().zip(src).zip(weight) {
             *d = s * inv * w;
@@ -200,7 +204,15 @@ mod tests {
                     qh.iter().zip(kt).map(|(a, b)| a * b).sum::<f32>() / (hd as f32).sqrt()
                 })
                 .collect();
-            softmax_in_place(&mut s);
+            let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let total: f32 = s
+                .iter_mut()
+                .map(|x| {
+                    *x = (*x - m).exp();
+                    *x
+                })
+                .sum();
+            s.iter_mut().for_each(|x| *x /= total);
             for (t, p) in s.iter().enumerate() {
                 let vt = &v[t * h.n_kv_heads * hd + kvh * hd..][..hd];
                 for i in 0..hd {
@@ -213,7 +225,9 @@ mod tests {
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
-            .map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 500.0 - 1.0)
+            .map(|i| {
+                ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 500.0 - 1.0
+            })
             .collect()
     }
 
@@ -227,15 +241,14 @@ mod tests {
         let kv_row = h.n_kv_heads * h.head_dim;
         let lens = [1usize, 7, 3];
         let ks: Vec<Vec<f32>> = lens.iter().map(|&n| values(n * kv_row, n as u32)).collect();
-        let vs: Vec<Vec<f32>> = lens.iter().map(|&n| values(n * kv_row, 99 + n as u32)).collect();
+        let vs: Vec<Vec<f32>> = lens
+            .iter()
+            .map(|&n| values(n * kv_row, 99 + n as u32))
+            .collect();
         // Rows: the last token of seq 0, the last three of seq 1, one of seq 2 at pos 1.
         let row_seq = vec![(0, 0), (1, 4), (1, 5), (1, 6), (2, 1)];
         let q = values(row_seq.len() * h.n_heads * h.head_dim, 7);
-        let seqs: Vec<SeqView> = ks
-            .iter()
-            .zip(&vs)
-            .map(|(k, v)| SeqView { k, v })
-            .collect();
+        let seqs: Vec<SeqView> = ks.iter().zip(&vs).map(|(k, v)| SeqView { k, v }).collect();
         let mut out = vec![0f32; q.len()];
         attention(&q, &seqs, &row_seq, h, &mut out);
         let w = h.n_heads * h.head_dim;
@@ -260,12 +273,37 @@ mod tests {
         let n1: f32 = x.iter().map(|v| v * v).sum();
         assert!((n0 - n1).abs() < 1e-4);
     }
+}
+
+#[cfg(test)]
+mod bench {
+    use super::*;
 
     #[test]
-    fn dot_handles_tails() {
-        let a = values(37, 1);
-        let b = values(37, 2);
-        let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-        assert!((dot(&a, &b) - want).abs() < 1e-4);
+    #[ignore]
+    fn attention_decode_speed() {
+        let h = Heads {
+            n_heads: 9,
+            n_kv_heads: 3,
+            head_dim: 64,
+        };
+        let kv_row = h.n_kv_heads * h.head_dim;
+        let ctx = 140;
+        let ks: Vec<Vec<f32>> = (0..16)
+            .map(|i| {
+                (0..ctx * kv_row)
+                    .map(|j| ((i * 7 + j) % 13) as f32 * 0.01)
+                    .collect()
+            })
+            .collect();
+        let seqs: Vec<SeqView> = ks.iter().map(|k| SeqView { k, v: k }).collect();
+        let row_seq: Vec<(usize, usize)> = (0..16).map(|i| (i, ctx - 1)).collect();
+        let q = vec![0.01f32; 16 * 9 * 64];
+        let mut out = vec![0f32; q.len()];
+        let t = std::time::Instant::now();
+        for _ in 0..300 {
+            attention(&q, &seqs, &row_seq, h, &mut out);
+        }
+        eprintln!("per layer call: {:?}", t.elapsed() / 300);
     }
 }

@@ -38,11 +38,16 @@ impl ChatTemplate {
         env.set_lstrip_blocks(true);
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
         env.add_template_owned(NAME, source.to_string())
-            .map_err(|e| EngineError::ChatTemplate(format!("cannot compile the template: {e:#}")))?;
+            .map_err(|e| {
+                EngineError::ChatTemplate(format!("cannot compile the template: {e:#}"))
+            })?;
         Ok(Self {
             env,
             bos: bos_token.to_string(),
@@ -80,7 +85,10 @@ mod tests {
             t.render(&user, true).unwrap(),
             "<|im_start|>system\nDefault<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
-        let sys = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")];
+        let sys = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Hi"),
+        ];
         assert_eq!(
             t.render(&sys, false).unwrap(),
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
@@ -91,8 +99,14 @@ mod tests {
     fn python_methods_and_raise_exception_work() {
         let src = "{% if messages[0]['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{{ messages[0]['content'].strip() | upper }}";
         let t = ChatTemplate::new(src, "", "").unwrap();
-        assert_eq!(t.render(&[ChatMessage::new("user", "  hi ")], true).unwrap(), "HI");
-        let err = t.render(&[ChatMessage::new("tool", "x")], true).unwrap_err();
+        assert_eq!(
+            t.render(&[ChatMessage::new("user", "  hi ")], true)
+                .unwrap(),
+            "HI"
+        );
+        let err = t
+            .render(&[ChatMessage::new("tool", "x")], true)
+            .unwrap_err();
         assert!(err.to_string().contains("no tools"), "{err}");
     }
 

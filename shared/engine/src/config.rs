@@ -79,14 +79,17 @@ impl ModelConfig {
         if self.n_layers == 0 || self.n_heads == 0 || self.n_kv_heads == 0 || self.head_dim == 0 {
             return bad(format!("degenerate shape: {self:?}"));
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "{} heads is not a multiple of {} KV heads",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
-            return bad(format!("head_dim {} is odd; rope needs pairs", self.head_dim));
+        if !self.head_dim.is_multiple_of(2) {
+            return bad(format!(
+                "head_dim {} is odd; rope needs pairs",
+                self.head_dim
+            ));
         }
         if self.context_length == 0 || self.vocab_size == 0 {
             return bad("context length and vocabulary must be non-empty".into());
@@ -129,7 +132,11 @@ impl Metadata<'_> {
     }
 
     pub fn string(&self, key: &str) -> Result<String> {
-        Ok(self.get(key)?.to_string().map_err(|e| Self::wrong(key, e))?.clone())
+        Ok(self
+            .get(key)?
+            .to_string()
+            .map_err(|e| Self::wrong(key, e))?
+            .clone())
     }
 
     pub fn opt_string(&self, key: &str) -> Option<String> {

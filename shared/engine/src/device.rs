@@ -47,6 +47,9 @@ mod tests {
         assert!(parse_device("tpu").is_err());
         assert!(parse_device("cuda:x").is_err());
         #[cfg(not(feature = "cuda"))]
-        assert!(matches!(parse_device("cuda:0"), Err(EngineError::Unsupported(_))));
+        assert!(matches!(
+            parse_device("cuda:0"),
+            Err(EngineError::Unsupported(_))
+        ));
     }
 }

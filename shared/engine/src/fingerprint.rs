@@ -49,7 +49,15 @@ pub(crate) fn of_content(content: &Content, format: WeightFormat) -> u64 {
     for n in names {
         let info = &content.tensor_infos[n];
         h.write(n.as_bytes());
-        h.write(format!("{:?}{:?}{}", info.shape.dims(), info.ggml_dtype, info.offset).as_bytes());
+        h.write(
+            format!(
+                "{:?}{:?}{}",
+                info.shape.dims(),
+                info.ggml_dtype,
+                info.offset
+            )
+            .as_bytes(),
+        );
     }
     h.write(format.as_str().as_bytes());
     h.finish()

@@ -269,7 +269,9 @@ impl SeqKv {
     /// Forgets tokens from `len` on (e.g. to re-run the tail of a prompt).
     pub fn truncate(&mut self, len: usize) {
         if len < self.len {
-            self.pool.stored.fetch_sub(self.len - len, Ordering::Relaxed);
+            self.pool
+                .stored
+                .fetch_sub(self.len - len, Ordering::Relaxed);
             self.len = len;
         }
         self.rollback();
@@ -347,11 +349,14 @@ impl Drop for SeqKv {
 fn write_values(src: &[f32], dtype: KvDtype, out: &mut Vec<u8>) {
     out.reserve(src.len() * dtype.size());
     match dtype {
-        KvDtype::F32 => src.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        KvDtype::F32 => src
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
         KvDtype::F16 => {
             let mut half = vec![f16::ZERO; src.len()];
             half.convert_from_f32_slice(src);
-            half.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+            half.iter()
+                .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
         }
     }
 }
@@ -425,7 +430,10 @@ mod tests {
         assert_eq!(pool.usage().stored_tokens, 3);
         assert!(matches!(
             s.ensure_room(1),
-            Err(KvError::CapacityExceeded { needed: 4, capacity: 3 })
+            Err(KvError::CapacityExceeded {
+                needed: 4,
+                capacity: 3
+            })
         ));
         drop(s);
         assert_eq!(pool.usage().stored_tokens, 0);
@@ -460,7 +468,10 @@ mod tests {
         }
         dst.finish_import(4).unwrap();
         let (a, b) = (src.layer(1).0, dst.layer(1).0);
-        assert!(a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-3 * x.abs().max(1.0)));
+        assert!(a
+            .iter()
+            .zip(b)
+            .all(|(x, y)| (x - y).abs() <= 1e-3 * x.abs().max(1.0)));
     }
 
     #[test]

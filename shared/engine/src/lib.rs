@@ -16,6 +16,7 @@ pub mod kv;
 pub mod model;
 pub mod profile;
 pub mod sampler;
+pub mod simd;
 pub mod stop;
 pub mod testing;
 pub mod threads;

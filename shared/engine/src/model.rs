@@ -64,7 +64,10 @@ impl Logits {
     }
 
     pub fn into_rows(self) -> Vec<Vec<f32>> {
-        self.data.chunks_exact(self.vocab).map(<[f32]>::to_vec).collect()
+        self.data
+            .chunks_exact(self.vocab)
+            .map(<[f32]>::to_vec)
+            .collect()
     }
 }
 
@@ -237,7 +240,9 @@ impl Model {
         let mut rows = Vec::new();
         for (i, s) in segs.iter().enumerate() {
             if s.tokens.is_empty() {
-                return Err(EngineError::InvalidInput(format!("segment {i} has no tokens")));
+                return Err(EngineError::InvalidInput(format!(
+                    "segment {i} has no tokens"
+                )));
             }
             if s.kv.layout() != self.kv_layout() {
                 return Err(EngineError::InvalidInput(format!(
@@ -246,7 +251,11 @@ impl Model {
                     self.kv_layout()
                 )));
             }
-            if let Some(bad) = s.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            if let Some(bad) = s
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.cfg.vocab_size)
+            {
                 return Err(EngineError::InvalidInput(format!(
                     "token id {bad} is outside the vocabulary of {}",
                     self.cfg.vocab_size
@@ -307,7 +316,9 @@ impl Model {
         rows: &[(usize, usize)],
     ) -> Result<()> {
         let c = &self.clock;
-        let h = c.time(Stage::Elementwise, || rms_norm(x, &layer.attn_norm, self.cfg.rms_eps));
+        let h = c.time(Stage::Elementwise, || {
+            rms_norm(x, &layer.attn_norm, self.cfg.rms_eps)
+        });
         let qkv = c.time(Stage::QkvMatmul, || layer.qkv.forward(&h, &self.device))?;
         let (q, k, v) = c.time(Stage::Elementwise, || self.split_rope(&qkv, rows));
         let kv_w = self.kv_layout().row();
@@ -325,9 +336,13 @@ impl Model {
             })
             .collect();
         let mut attn = vec![0f32; q.len()];
-        c.time(Stage::Attention, || attention(&q, &views, rows, self.heads(), &mut attn));
+        c.time(Stage::Attention, || {
+            attention(&q, &views, rows, self.heads(), &mut attn)
+        });
         let o = c.time(Stage::OutMatmul, || layer.wo.forward(&attn, &self.device))?;
-        c.time(Stage::Elementwise, || x.iter_mut().zip(&o).for_each(|(a, b)| *a += b));
+        c.time(Stage::Elementwise, || {
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b)
+        });
         Ok(())
     }
 
@@ -350,11 +365,17 @@ impl Model {
 
     fn ffn_block(&self, layer: &Layer, x: &mut [f32]) -> Result<()> {
         let c = &self.clock;
-        let h = c.time(Stage::Elementwise, || rms_norm(x, &layer.ffn_norm, self.cfg.rms_eps));
-        let gate_up = c.time(Stage::GateUpMatmul, || layer.gate_up.forward(&h, &self.device))?;
+        let h = c.time(Stage::Elementwise, || {
+            rms_norm(x, &layer.ffn_norm, self.cfg.rms_eps)
+        });
+        let gate_up = c.time(Stage::GateUpMatmul, || {
+            layer.gate_up.forward(&h, &self.device)
+        })?;
         let act = c.time(Stage::Elementwise, || swiglu(&gate_up, self.cfg.ffn_size));
         let d = c.time(Stage::DownMatmul, || layer.down.forward(&act, &self.device))?;
-        c.time(Stage::Elementwise, || x.iter_mut().zip(&d).for_each(|(a, b)| *a += b));
+        c.time(Stage::Elementwise, || {
+            x.iter_mut().zip(&d).for_each(|(a, b)| *a += b)
+        });
         Ok(())
     }
 
@@ -421,7 +442,9 @@ fn load_embeddings(ld: &mut Loader<'_>, format: WeightFormat) -> Result<(Embeddi
 fn check_shapes(cfg: &ModelConfig, layers: &[Layer], lm_head: &Linear) -> Result<()> {
     let qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim;
     let bad = layers.iter().any(|l| {
-        l.qkv.out_dim() != qkv || l.gate_up.out_dim() != 2 * cfg.ffn_size || l.wo.out_dim() != cfg.hidden_size
+        l.qkv.out_dim() != qkv
+            || l.gate_up.out_dim() != 2 * cfg.ffn_size
+            || l.wo.out_dim() != cfg.hidden_size
     });
     if bad || lm_head.out_dim() != cfg.vocab_size {
         return Err(EngineError::InvalidModel(

@@ -63,7 +63,12 @@ impl StageClock {
     pub fn snapshot(&self) -> Vec<(Stage, f64)> {
         Stage::ALL
             .iter()
-            .map(|s| (*s, self.nanos[*s as usize].load(Ordering::Relaxed) as f64 * 1e-9))
+            .map(|s| {
+                (
+                    *s,
+                    self.nanos[*s as usize].load(Ordering::Relaxed) as f64 * 1e-9,
+                )
+            })
             .collect()
     }
 
@@ -75,6 +80,8 @@ impl StageClock {
     }
 
     pub fn reset(&self) {
-        self.nanos.iter().for_each(|n| n.store(0, Ordering::Relaxed));
+        self.nanos
+            .iter()
+            .for_each(|n| n.store(0, Ordering::Relaxed));
     }
 }

@@ -69,7 +69,9 @@ impl Rng {
     }
 
     fn tensor(&mut self, shape: (usize, usize), scale: f32, offset: f32) -> Result<Tensor> {
-        let data: Vec<f32> = (0..shape.0 * shape.1).map(|_| offset + scale * self.next()).collect();
+        let data: Vec<f32> = (0..shape.0 * shape.1)
+            .map(|_| offset + scale * self.next())
+            .collect();
         Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
     }
 }
@@ -93,11 +95,22 @@ pub fn write_tiny_gguf(path: impl AsRef<Path>, spec: &TinyModelSpec) -> Result<(
         Ok(())
     };
     let h = spec.hidden;
-    add("token_embd.weight".into(), rng.tensor((tokens.len(), h), 1.0, 0.0)?, GgmlDType::Q8_0)?;
+    add(
+        "token_embd.weight".into(),
+        rng.tensor((tokens.len(), h), 1.0, 0.0)?,
+        GgmlDType::Q8_0,
+    )?;
     if !spec.tied_embeddings {
-        add("output.weight".into(), rng.tensor((tokens.len(), h), 0.5, 0.0)?, GgmlDType::Q4_1)?;
+        add(
+            "output.weight".into(),
+            rng.tensor((tokens.len(), h), 0.5, 0.0)?,
+            GgmlDType::Q4_1,
+        )?;
     }
-    let norm = |rng: &mut Rng| rng.tensor((1, h), 0.1, 1.0).and_then(|t| Ok(t.flatten_all()?));
+    let norm = |rng: &mut Rng| {
+        rng.tensor((1, h), 0.1, 1.0)
+            .and_then(|t| Ok(t.flatten_all()?))
+    };
     add("output_norm.weight".into(), norm(&mut rng)?, GgmlDType::F32)?;
     for i in 0..spec.n_layers {
         let n = |s: &str| format!("blk.{i}.{s}.weight");
@@ -105,12 +118,36 @@ pub fn write_tiny_gguf(path: impl AsRef<Path>, spec: &TinyModelSpec) -> Result<(
         add(n("attn_norm"), norm(&mut rng)?, GgmlDType::F32)?;
         add(n("ffn_norm"), norm(&mut rng)?, GgmlDType::F32)?;
         add(n("attn_q"), rng.tensor((h, h), w, 0.0)?, GgmlDType::Q4_1)?;
-        add(n("attn_k"), rng.tensor((kv_dim, h), w, 0.0)?, GgmlDType::Q4_1)?;
-        add(n("attn_v"), rng.tensor((kv_dim, h), w, 0.0)?, GgmlDType::Q4_1)?;
-        add(n("attn_output"), rng.tensor((h, h), w, 0.0)?, GgmlDType::Q4_1)?;
-        add(n("ffn_gate"), rng.tensor((spec.ffn, h), w, 0.0)?, GgmlDType::Q4_1)?;
-        add(n("ffn_up"), rng.tensor((spec.ffn, h), w, 0.0)?, GgmlDType::Q4_1)?;
-        add(n("ffn_down"), rng.tensor((h, spec.ffn), w, 0.0)?, GgmlDType::Q4_1)?;
+        add(
+            n("attn_k"),
+            rng.tensor((kv_dim, h), w, 0.0)?,
+            GgmlDType::Q4_1,
+        )?;
+        add(
+            n("attn_v"),
+            rng.tensor((kv_dim, h), w, 0.0)?,
+            GgmlDType::Q4_1,
+        )?;
+        add(
+            n("attn_output"),
+            rng.tensor((h, h), w, 0.0)?,
+            GgmlDType::Q4_1,
+        )?;
+        add(
+            n("ffn_gate"),
+            rng.tensor((spec.ffn, h), w, 0.0)?,
+            GgmlDType::Q4_1,
+        )?;
+        add(
+            n("ffn_up"),
+            rng.tensor((spec.ffn, h), w, 0.0)?,
+            GgmlDType::Q4_1,
+        )?;
+        add(
+            n("ffn_down"),
+            rng.tensor((h, spec.ffn), w, 0.0)?,
+            GgmlDType::Q4_1,
+        )?;
     }
     let metadata = metadata(spec, &tokens, head_dim);
     let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();

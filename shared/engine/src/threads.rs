@@ -23,6 +23,8 @@ pub fn configure(threads: usize) -> usize {
         .and_then(|v| v.parse().ok())
         .unwrap_or(n);
     // Fails only if the global pool was already built; its size is then fixed.
-    let _ = rayon::ThreadPoolBuilder::new().num_threads(rayon_n).build_global();
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(rayon_n)
+        .build_global();
     rayon::current_num_threads()
 }

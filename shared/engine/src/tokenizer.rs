@@ -76,18 +76,26 @@ impl Tokenizer {
             None => vec![1; tokens.len()],
         };
         let eos = md.usize("tokenizer.ggml.eos_token_id")? as u32;
-        let bos = md.opt_usize("tokenizer.ggml.bos_token_id")?.map(|b| b as u32);
+        let bos = md
+            .opt_usize("tokenizer.ggml.bos_token_id")?
+            .map(|b| b as u32);
         let add_bos = md.opt_bool("tokenizer.ggml.add_bos_token").unwrap_or(false);
         let inner = build_bpe(&tokens, &merges, &types)?;
         let special: Vec<bool> = types.iter().map(|&t| t == TYPE_CONTROL).collect();
         let bytes = token_bytes(&tokens, &special);
-        let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned().unwrap_or_default();
+        let name = |id: Option<u32>| {
+            id.and_then(|i| tokens.get(i as usize))
+                .cloned()
+                .unwrap_or_default()
+        };
         let chat = md
             .opt_string("tokenizer.chat_template")
             .map(|src| ChatTemplate::new(&src, &name(bos), &name(Some(eos))))
             .transpose()?;
         if eos as usize >= tokens.len() || bos.is_some_and(|b| b as usize >= tokens.len()) {
-            return Err(EngineError::InvalidModel("BOS/EOS id outside the vocabulary".into()));
+            return Err(EngineError::InvalidModel(
+                "BOS/EOS id outside the vocabulary".into(),
+            ));
         }
         Ok(Self {
             inner,
@@ -201,7 +209,11 @@ fn integers(v: &Value) -> Result<Vec<i64>> {
 }
 
 fn build_bpe(tokens: &[String], merges: &[String], types: &[i64]) -> Result<tokenizers::Tokenizer> {
-    let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
     let merges = merges
         .iter()
         .map(|m| {
@@ -259,7 +271,8 @@ fn token_bytes(tokens: &[String], special: &[bool]) -> Vec<Vec<u8>> {
 
 /// GPT-2's printable stand-in for each byte value (index = byte).
 pub(crate) fn byte_level_chars() -> Vec<char> {
-    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
     let mut next = 256u32;
     (0u32..256)
         .map(|b| {

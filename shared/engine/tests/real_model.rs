@@ -14,12 +14,20 @@ fn chatml(question: &str) -> String {
 fn tokenizer_matches_llama_cpp_ids() {
     let Some(path) = real_model() else { return };
     let tok = Tokenizer::from_gguf_file(&path).unwrap();
-    let ids = tok.encode(&chatml("What is the capital of France?"), true).unwrap();
-    assert_eq!(ids, [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]);
+    let ids = tok
+        .encode(&chatml("What is the capital of France?"), true)
+        .unwrap();
+    assert_eq!(
+        ids,
+        [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+    );
     let ids = tok.encode("naïve café 東京 🦀 1234 x", true).unwrap();
     assert_eq!(
         ids,
-        [3546, 46494, 37366, 17097, 247, 126, 16736, 122, 15107, 116, 218, 216, 33, 34, 35, 36, 1792]
+        [
+            3546, 46494, 37366, 17097, 247, 126, 16736, 122, 15107, 116, 218, 216, 33, 34, 35, 36,
+            1792
+        ]
     );
 }
 
@@ -44,9 +52,17 @@ fn tokenizer_round_trips() {
 fn chat_template_renders_the_default_system_prompt() {
     let Some(path) = real_model() else { return };
     let tok = Tokenizer::from_gguf_file(&path).unwrap();
-    let text = tok.apply_chat_template(&[ChatMessage::new("user", "Hi")], true).unwrap();
-    assert!(text.starts_with("<|im_start|>system\nYou are a helpful AI assistant"), "{text}");
-    assert!(text.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), "{text}");
+    let text = tok
+        .apply_chat_template(&[ChatMessage::new("user", "Hi")], true)
+        .unwrap();
+    assert!(
+        text.starts_with("<|im_start|>system\nYou are a helpful AI assistant"),
+        "{text}"
+    );
+    assert!(
+        text.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
+        "{text}"
+    );
 }
 
 fn answer(model: &Model, tok: &Tokenizer, question: &str, n: usize) -> String {
@@ -86,7 +102,10 @@ fn batched_decode_of_eight_prompts_equals_decoding_each_alone() {
     ];
     let n = 16;
     let pool = pool(&model);
-    let prompts: Vec<Vec<u32>> = questions.iter().map(|q| tok.encode(&chatml(q), true).unwrap()).collect();
+    let prompts: Vec<Vec<u32>> = questions
+        .iter()
+        .map(|q| tok.encode(&chatml(q), true).unwrap())
+        .collect();
     // Alone.
     let alone: Vec<Vec<u32>> = prompts
         .iter()
@@ -105,7 +124,11 @@ fn batched_decode_of_eight_prompts_equals_decoding_each_alone() {
         kvs.push(kv);
     }
     for _ in 1..n {
-        let mut batch: Vec<_> = kvs.iter_mut().zip(&outs).map(|(kv, o)| (kv, *o.last().unwrap())).collect();
+        let mut batch: Vec<_> = kvs
+            .iter_mut()
+            .zip(&outs)
+            .map(|(kv, o)| (kv, *o.last().unwrap()))
+            .collect();
         let logits = model.decode_step(&mut batch).unwrap();
         for (i, o) in outs.iter_mut().enumerate() {
             o.push(argmax(logits.row(i)));
@@ -119,7 +142,9 @@ fn kv_export_import_then_decode_equals_never_exporting() {
     let Some(path) = real_model() else { return };
     let tok = Tokenizer::from_gguf_file(&path).unwrap();
     let model = load(&path, WeightFormat::F32);
-    let ids = tok.encode(&chatml("Tell me about the moon."), true).unwrap();
+    let ids = tok
+        .encode(&chatml("Tell me about the moon."), true)
+        .unwrap();
     let n = 20;
     let pool = pool(&model);
     let mut kv = pool.allocate(ids.len() + n).unwrap();
@@ -128,7 +153,9 @@ fn kv_export_import_then_decode_equals_never_exporting() {
     for l in 0..model.config().n_layers {
         let mut bytes = Vec::new();
         kv.export_layer(l, KvDtype::F32, &mut bytes);
-        moved.import_layer(l, KvDtype::F32, ids.len(), &bytes).unwrap();
+        moved
+            .import_layer(l, KvDtype::F32, ids.len(), &bytes)
+            .unwrap();
     }
     moved.finish_import(ids.len()).unwrap();
     let expected = greedy(&model, &mut kv, &logits, n);
@@ -140,7 +167,12 @@ fn chunked_prefill_matches_one_shot_on_the_real_model() {
     let Some(path) = real_model() else { return };
     let tok = Tokenizer::from_gguf_file(&path).unwrap();
     let model = load(&path, WeightFormat::F32);
-    let ids = tok.encode(&chatml(&"The quick brown fox jumps over the lazy dog. ".repeat(6)), true).unwrap();
+    let ids = tok
+        .encode(
+            &chatml(&"The quick brown fox jumps over the lazy dog. ".repeat(6)),
+            true,
+        )
+        .unwrap();
     let pool = pool(&model);
     let mut one = pool.allocate(ids.len()).unwrap();
     let want = model.prefill(&ids, &mut one).unwrap();
@@ -149,7 +181,11 @@ fn chunked_prefill_matches_one_shot_on_the_real_model() {
     for chunk in ids.chunks(17) {
         got = model.prefill(chunk, &mut chunked).unwrap();
     }
-    assert!(max_abs_diff(&got, &want) < 1e-3, "{}", max_abs_diff(&got, &want));
+    assert!(
+        max_abs_diff(&got, &want) < 1e-3,
+        "{}",
+        max_abs_diff(&got, &want)
+    );
     for l in 0..model.config().n_layers {
         assert!(max_abs_diff(one.layer(l).0, chunked.layer(l).0) < 1e-3);
         assert!(max_abs_diff(one.layer(l).1, chunked.layer(l).1) < 1e-3);

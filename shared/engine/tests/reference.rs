@@ -31,15 +31,37 @@ fn logits_match_candle_quantized_llama_with_dequantized_weights() {
         let ids = tok.encode(prompt, false).unwrap();
         let mut kv = pool.allocate(ids.len() + 1).unwrap();
         let got = ours.prefill(&ids, &mut kv).unwrap();
-        let input = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        let want: Vec<f32> = theirs.forward(&input, 0).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let want: Vec<f32> = theirs
+            .forward(&input, 0)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let diff = max_abs_diff(&got, &want);
         assert!(diff < 1e-3, "{prompt:?}: max |Δlogit| = {diff}");
         // And one decode step on top, against theirs at index_pos = len.
         let next = argmax(&got);
-        let got = ours.decode_step(&mut [(&mut kv, next)]).unwrap().into_rows().remove(0);
-        let input = Tensor::new(&[next], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        let want: Vec<f32> = theirs.forward(&input, ids.len()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let got = ours
+            .decode_step(&mut [(&mut kv, next)])
+            .unwrap()
+            .into_rows()
+            .remove(0);
+        let input = Tensor::new(&[next], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let want: Vec<f32> = theirs
+            .forward(&input, ids.len())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let diff = max_abs_diff(&got, &want);
         assert!(diff < 1e-3, "{prompt:?} decode: max |Δlogit| = {diff}");
     }

@@ -20,12 +20,21 @@ fn loads_in_every_format_with_config_from_metadata() {
     for format in FORMATS {
         let m = load(&path, format);
         let c = m.config();
-        assert_eq!((c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim), (2, 4, 2, 16));
-        assert_eq!((c.hidden_size, c.ffn_size, c.vocab_size, c.context_length), (64, 96, 266, 512));
+        assert_eq!(
+            (c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim),
+            (2, 4, 2, 16)
+        );
+        assert_eq!(
+            (c.hidden_size, c.ffn_size, c.vocab_size, c.context_length),
+            (64, 96, 266, 512)
+        );
         assert_eq!(m.weight_format(), format);
     }
     // Formats compute different KV, so they must not share a fingerprint.
-    let fps: Vec<u64> = FORMATS.iter().map(|f| load(&path, *f).fingerprint()).collect();
+    let fps: Vec<u64> = FORMATS
+        .iter()
+        .map(|f| load(&path, *f).fingerprint())
+        .collect();
     assert!(fps[0] != fps[1] && fps[1] != fps[2] && fps[0] != fps[2]);
     assert_eq!(fps[2], load(&path, WeightFormat::F32).fingerprint());
 }
@@ -43,12 +52,18 @@ fn formats_agree_approximately_and_untied_head_loads() {
         .collect();
     // Q4_1 → Q8_0 requantization and f32 differ only by rounding.
     assert!(max_abs_diff(&logits[1], &logits[2]) < 0.5);
-    let (_d2, untied) = tiny_model(&TinyModelSpec { tied_embeddings: false, ..Default::default() });
+    let (_d2, untied) = tiny_model(&TinyModelSpec {
+        tied_embeddings: false,
+        ..Default::default()
+    });
     let m = load(&untied, WeightFormat::F32);
     let mut kv = pool(&m).allocate(8).unwrap();
     let l = m.prefill(&prompt(8), &mut kv).unwrap();
     assert_eq!(l.len(), 266);
-    assert!(max_abs_diff(&l, &logits[2]) > 1e-3, "output.weight must be used when present");
+    assert!(
+        max_abs_diff(&l, &logits[2]) > 1e-3,
+        "output.weight must be used when present"
+    );
 }
 
 #[test]
@@ -66,8 +81,16 @@ fn chunked_prefill_equals_one_shot() {
             got = m.prefill(c, &mut chunked).unwrap();
         }
         assert_eq!(chunked.len(), 45);
-        let tol = if format == WeightFormat::F32 { 1e-4 } else { 1e-2 };
-        assert!(max_abs_diff(&got, &want) < tol, "{format}: {}", max_abs_diff(&got, &want));
+        let tol = if format == WeightFormat::F32 {
+            1e-4
+        } else {
+            1e-2
+        };
+        assert!(
+            max_abs_diff(&got, &want) < tol,
+            "{format}: {}",
+            max_abs_diff(&got, &want)
+        );
         for l in 0..2 {
             assert!(max_abs_diff(one.layer(l).0, chunked.layer(l).0) < tol);
         }
@@ -89,17 +112,26 @@ fn batched_decode_of_different_lengths_equals_single_sequence_decode() {
             greedy(&m, &mut kv, &l, steps)
         })
         .collect();
-    let mut kvs: Vec<_> = lens.iter().map(|&n| pool.allocate(n + steps).unwrap()).collect();
+    let mut kvs: Vec<_> = lens
+        .iter()
+        .map(|&n| pool.allocate(n + steps).unwrap())
+        .collect();
     let mut outs: Vec<Vec<u32>> = kvs
         .iter_mut()
         .zip(lens)
         .map(|(kv, n)| vec![argmax(&m.prefill(&prompt(n), kv).unwrap())])
         .collect();
     for _ in 1..steps {
-        let mut batch: Vec<_> = kvs.iter_mut().zip(&outs).map(|(kv, o)| (kv, *o.last().unwrap())).collect();
+        let mut batch: Vec<_> = kvs
+            .iter_mut()
+            .zip(&outs)
+            .map(|(kv, o)| (kv, *o.last().unwrap()))
+            .collect();
         let logits = m.decode_step(&mut batch).unwrap();
         assert_eq!(logits.len(), lens.len());
-        outs.iter_mut().enumerate().for_each(|(i, o)| o.push(argmax(logits.row(i))));
+        outs.iter_mut()
+            .enumerate()
+            .for_each(|(i, o)| o.push(argmax(logits.row(i))));
     }
     assert_eq!(outs, alone);
 }
@@ -116,7 +148,16 @@ fn mixed_batch_of_prefill_chunks_and_decode_rows() {
     let _ = la;
     let mixed = m
         .forward(
-            &mut [Segment { kv: &mut ka, tokens: &a[19..] }, Segment { kv: &mut kb, tokens: &b }],
+            &mut [
+                Segment {
+                    kv: &mut ka,
+                    tokens: &a[19..],
+                },
+                Segment {
+                    kv: &mut kb,
+                    tokens: &b,
+                },
+            ],
             &mut |_| {},
         )
         .unwrap();
@@ -128,13 +169,23 @@ fn mixed_batch_of_prefill_chunks_and_decode_rows() {
 
 #[test]
 fn layer_callback_sees_each_layer_written() {
-    let (_d, path) = tiny_model(&TinyModelSpec { n_layers: 3, ..Default::default() });
+    let (_d, path) = tiny_model(&TinyModelSpec {
+        n_layers: 3,
+        ..Default::default()
+    });
     let m = load(&path, WeightFormat::F32);
     let pool = pool(&m);
     let mut kv = pool.allocate(9).unwrap();
     let mut seen = Vec::new();
     let p = prompt(9);
-    m.forward(&mut [Segment { kv: &mut kv, tokens: &p }], &mut |l| seen.push(l)).unwrap();
+    m.forward(
+        &mut [Segment {
+            kv: &mut kv,
+            tokens: &p,
+        }],
+        &mut |l| seen.push(l),
+    )
+    .unwrap();
     assert_eq!(seen, [0, 1, 2]);
 }
 
@@ -164,7 +215,11 @@ fn kv_export_import_continues_exactly_in_f32_and_closely_in_f16() {
     let direct = greedy(&m, &mut kv, &logits, 10);
     assert!(max_abs_diff(via_f16.row(0), via_f32.row(0)) < 0.05);
     let mut continued = vec![next, argmax(via_f32.row(0))];
-    continued.extend(greedy(&m, &mut f32_copy, via_f32.row(0), 9).into_iter().skip(1));
+    continued.extend(
+        greedy(&m, &mut f32_copy, via_f32.row(0), 9)
+            .into_iter()
+            .skip(1),
+    );
     assert_eq!(continued, direct);
 }
 
@@ -176,8 +231,18 @@ fn kv_budget_is_exhausted_cleanly_and_observable() {
     let mut a = pool.allocate(60).unwrap();
     m.prefill(&prompt(10), &mut a).unwrap();
     let u = pool.usage();
-    assert_eq!((u.reserved_tokens, u.stored_tokens, u.free_tokens()), (60, 10, 40));
-    assert!(matches!(pool.allocate(41), Err(KvError::Exhausted { requested: 41, free: 40, .. })));
+    assert_eq!(
+        (u.reserved_tokens, u.stored_tokens, u.free_tokens()),
+        (60, 10, 40)
+    );
+    assert!(matches!(
+        pool.allocate(41),
+        Err(KvError::Exhausted {
+            requested: 41,
+            free: 40,
+            ..
+        })
+    ));
     drop(a);
     assert_eq!(pool.usage().reserved_tokens, 0);
     assert_eq!(pool.usage().stored_tokens, 0);
@@ -185,24 +250,43 @@ fn kv_budget_is_exhausted_cleanly_and_observable() {
 
 #[test]
 fn bad_inputs_are_errors_and_leave_the_kv_untouched() {
-    let (_d, path) = tiny_model(&TinyModelSpec { context_length: 32, ..Default::default() });
+    let (_d, path) = tiny_model(&TinyModelSpec {
+        context_length: 32,
+        ..Default::default()
+    });
     let m = load(&path, WeightFormat::F32);
     let pool = pool(&m);
     let mut kv = pool.allocate(64).unwrap();
     m.prefill(&prompt(4), &mut kv).unwrap();
     let err = m.prefill(&[3, 9999], &mut kv).unwrap_err();
     assert!(matches!(err, EngineError::InvalidInput(_)), "{err}");
-    assert!(matches!(m.prefill(&[], &mut kv), Err(EngineError::InvalidInput(_))));
+    assert!(matches!(
+        m.prefill(&[], &mut kv),
+        Err(EngineError::InvalidInput(_))
+    ));
     let err = m.prefill(&prompt(40), &mut kv).unwrap_err();
     assert!(err.to_string().contains("context window"), "{err}");
     let mut small = pool.allocate(2).unwrap();
-    assert!(matches!(m.prefill(&prompt(3), &mut small), Err(EngineError::Kv(KvError::CapacityExceeded { .. }))));
+    assert!(matches!(
+        m.prefill(&prompt(3), &mut small),
+        Err(EngineError::Kv(KvError::CapacityExceeded { .. }))
+    ));
     assert_eq!(kv.len(), 4);
     assert_eq!(kv.layer_len(1), 4);
-    let other = KvPool::new(pdserve_engine::KvLayout { n_layers: 2, n_kv_heads: 1, head_dim: 16 }, 10);
+    let other = KvPool::new(
+        pdserve_engine::KvLayout {
+            n_layers: 2,
+            n_kv_heads: 1,
+            head_dim: 16,
+        },
+        10,
+    );
     let mut wrong = other.allocate(5).unwrap();
     assert!(m.prefill(&prompt(2), &mut wrong).is_err());
-    assert!(matches!(Model::load(path.with_extension("missing"), &Default::default()), Err(EngineError::Io { .. })));
+    assert!(matches!(
+        Model::load(path.with_extension("missing"), &Default::default()),
+        Err(EngineError::Io { .. })
+    ));
 }
 
 #[test]
@@ -214,11 +298,17 @@ fn tokenizer_and_chat_template_from_tiny_metadata() {
     let text = tok
         .apply_chat_template(&[ChatMessage::new("user", "say the cat 12 €")], true)
         .unwrap();
-    assert_eq!(text, "<|im_start|>user\nsay the cat 12 €<|im_end|>\n<|im_start|>assistant\n");
+    assert_eq!(
+        text,
+        "<|im_start|>user\nsay the cat 12 €<|im_end|>\n<|im_start|>assistant\n"
+    );
     let ids = tok.encode(&text, true).unwrap();
     assert_eq!(ids[0], 1, "<|im_start|> is one special token");
     assert!(ids.contains(&(259 + 2)), "merge `Ġt he` → `Ġthe` applies");
     assert_eq!(tok.decode(&ids, false).unwrap(), text);
-    assert_eq!(tok.decode(&ids, true).unwrap(), "user\nsay the cat 12 €\nassistant\n");
+    assert_eq!(
+        tok.decode(&ids, true).unwrap(),
+        "user\nsay the cat 12 €\nassistant\n"
+    );
     assert!(tok.decode(&[5000], false).is_err());
 }

@@ -15,7 +15,11 @@ pub fn real_model() -> Option<PathBuf> {
     let candidates = [
         std::env::var_os("PDSERVE_MODEL").map(PathBuf::from),
         std::env::var_os("PDSERVE_MODEL_DIR").map(|d| PathBuf::from(d).join(REAL_MODEL_FILE)),
-        Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models").join(REAL_MODEL_FILE)),
+        Some(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../models")
+                .join(REAL_MODEL_FILE),
+        ),
     ];
     let found = candidates.into_iter().flatten().find(|p| p.is_file());
     if found.is_none() {
@@ -33,7 +37,14 @@ pub fn tiny_model(spec: &TinyModelSpec) -> (tempfile::TempDir, PathBuf) {
 }
 
 pub fn load(path: &std::path::Path, weights: WeightFormat) -> Model {
-    Model::load(path, &LoadOptions { weights, ..Default::default() }).expect("load model")
+    Model::load(
+        path,
+        &LoadOptions {
+            weights,
+            ..Default::default()
+        },
+    )
+    .expect("load model")
 }
 
 pub fn pool(model: &Model) -> KvPool {
@@ -41,8 +52,13 @@ pub fn pool(model: &Model) -> KvPool {
 }
 
 pub fn argmax(logits: &[f32]) -> u32 {
-    let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
-    sample(logits, &greedy, 0, &TokenCounts::default()).expect("sample").token
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    };
+    sample(logits, &greedy, 0, &TokenCounts::default())
+        .expect("sample")
+        .token
 }
 
 /// Greedy continuation of a sequence whose last logits are `logits`.
@@ -58,5 +74,8 @@ pub fn greedy(model: &Model, kv: &mut SeqKv, logits: &[f32], n: usize) -> Vec<u3
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
