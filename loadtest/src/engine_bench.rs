@@ -260,3 +260,38 @@ fn print_profile(title: &str, stages: &BTreeMap<String, f64>) {
         println!("  {:<28} {:>6.1}%", name, 100.0 * secs / total.max(1e-12));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timed_reports_the_median_of_the_timed_runs() {
+        let clock = StageClock::default();
+        let mut calls = 0;
+        let samples = [100.0, 3.0, 1.0, 2.0, 50.0, 4.0];
+        let median = timed(&clock, 5, || {
+            calls += 1;
+            Ok(samples[calls - 1])
+        })
+        .unwrap();
+        // The first call (100.0) is the warm-up and is excluded.
+        assert_eq!(calls, 6);
+        assert_eq!(median, 3.0);
+    }
+
+    #[test]
+    fn argmax_takes_the_first_maximum() {
+        assert_eq!(argmax(&[0.5, 2.0, -1.0, 2.0]), 1);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, -3.0]), 1);
+    }
+
+    #[test]
+    fn sorted_orders_numeric_keys() {
+        let m: BTreeMap<String, f64> = [("16", 3.0), ("4", 2.0), ("1", 1.0)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        assert_eq!(sorted(&m), vec![(1, 1.0), (4, 2.0), (16, 3.0)]);
+    }
+}

@@ -156,9 +156,20 @@ pub fn exp_shifted(x: &mut [f32], shift: f32) -> f32 {
     sum(x)
 }
 
-/// `exp(x)` to about 2 ulp over the range where it is a normal f32; 0 below.
+/// `exp(x)` to about 2 ulp where the result is a normal f32; exactly 0 below
+/// that (so `exp(-inf) == 0`).
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
+    let y = exp_clamped(x);
+    if x < -87.3 {
+        0.0
+    } else {
+        y
+    }
+}
+
+#[inline(always)]
+fn exp_clamped(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
@@ -190,8 +201,9 @@ mod tests {
             x += 0.0137;
         }
         assert!(worst < 1e-6, "max relative error {worst}");
-        assert_eq!(exp(-200.0), exp(-87.3));
-        assert!(exp(-200.0) < 1e-37);
+        assert_eq!(exp(-200.0), 0.0);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert!(exp(-87.0) > 0.0);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Numeric kernels of the sampler: the counter-based RNG, the one-pass
+//! Numeric kernels of the sampler: the counter-based RNG, the vectorized
 //! log-sum-exp statistics, the inverse-CDF draws and the top-logprob
 //! selection. Everything here works on plain slices and never allocates more
 //! than the candidate set it needs.
@@ -6,6 +6,7 @@
 use std::cmp::Ordering;
 
 use super::{SamplingError, SamplingParams};
+use crate::simd;
 
 const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -55,45 +56,29 @@ pub(super) struct LogitStats {
 }
 
 impl LogitStats {
-    /// Single pass with an online (rescaling) log-sum-exp; `inv_temp` is
-    /// `None` for greedy decoding, which needs no scaled sum.
+    /// Two vectorized passes: the maximum, then the sums of exponentials.
+    /// `inv_temp` is `None` for greedy decoding, which needs no scaled sum.
     pub(super) fn compute(logits: &[f32], inv_temp: Option<f32>) -> Result<Self, SamplingError> {
-        let mut stats = Self {
-            max: f32::NEG_INFINITY,
-            argmax: 0,
-            sum: 0.0,
-            scaled_sum: 0.0,
-        };
-        // At T == 1 the scaled sum equals the plain one: skip its exps.
-        let scaled = inv_temp.filter(|&inv_t| inv_t != 1.0);
-        for (i, &raw) in logits.iter().enumerate() {
-            let x = clean(raw);
-            if x == f32::NEG_INFINITY {
-                continue;
-            }
-            if x > stats.max {
-                let shift = stats.max - x;
-                stats.sum = stats.sum * f64::from(shift.exp()) + 1.0;
-                if let Some(inv_t) = scaled {
-                    stats.scaled_sum = stats.scaled_sum * f64::from((shift * inv_t).exp()) + 1.0;
-                }
-                stats.max = x;
-                stats.argmax = i;
-            } else {
-                let delta = x - stats.max;
-                stats.sum += f64::from(delta.exp());
-                if let Some(inv_t) = scaled {
-                    stats.scaled_sum += f64::from((delta * inv_t).exp());
-                }
-            }
-        }
-        if stats.max == f32::NEG_INFINITY {
+        let max = logits
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &x| m.max(clean(x)));
+        if max == f32::NEG_INFINITY {
             return Err(SamplingError::NoFiniteLogits { len: logits.len() });
         }
-        if inv_temp.is_some() && scaled.is_none() {
-            stats.scaled_sum = stats.sum;
-        }
-        Ok(stats)
+        let argmax = logits.iter().position(|&x| clean(x) == max).unwrap_or(0);
+        let sum = exp_sum(logits, max, 1.0);
+        // At T == 1 the scaled sum equals the plain one: skip its exps.
+        let scaled_sum = match inv_temp {
+            None => 0.0,
+            Some(inv_t) if inv_t == 1.0 => sum,
+            Some(inv_t) => exp_sum(logits, max, inv_t),
+        };
+        Ok(Self {
+            max,
+            argmax,
+            sum,
+            scaled_sum,
+        })
     }
 
     /// `log(sum(exp(l)))` over finite logits.
@@ -107,21 +92,47 @@ pub(super) fn needs_truncation(params: &SamplingParams, vocab: usize) -> bool {
     params.top_k.is_some_and(|k| k < vocab) || params.top_p < 1.0 || params.min_p > 0.0
 }
 
+/// `sum(exp((l - max) * inv_t))` over finite logits, in f32 chunks summed in f64.
+fn exp_sum(logits: &[f32], max: f32, inv_t: f32) -> f64 {
+    let mut buf = [0f32; CHUNK];
+    logits
+        .chunks(CHUNK)
+        .map(|c| f64::from(chunk_weights(c, max, inv_t, &mut buf[..c.len()])))
+        .sum()
+}
+
+/// Writes `exp((l - max) * inv_t)` (0 for non-finite logits) into `out`; returns their sum.
+fn chunk_weights(logits: &[f32], max: f32, inv_t: f32, out: &mut [f32]) -> f32 {
+    for (w, &x) in out.iter_mut().zip(logits) {
+        *w = (clean(x) - max) * inv_t;
+    }
+    simd::exp_shifted(out, 0.0)
+}
+
+const CHUNK: usize = 256;
+
 /// Inverse-CDF draw over the whole vocabulary in id order, no allocation.
 pub(super) fn draw_full(logits: &[f32], stats: &LogitStats, inv_t: f32, u: f64) -> usize {
     let target = u * stats.scaled_sum;
     let mut acc = 0.0f64;
+    let mut buf = [0f32; CHUNK];
     let mut last = stats.argmax;
-    for (i, &raw) in logits.iter().enumerate() {
-        let x = clean(raw);
-        if x == f32::NEG_INFINITY {
+    for (c, chunk) in logits.chunks(CHUNK).enumerate() {
+        let w = &mut buf[..chunk.len()];
+        let total = f64::from(chunk_weights(chunk, stats.max, inv_t, w));
+        if acc + total <= target {
+            acc += total;
             continue;
         }
-        acc += f64::from(((x - stats.max) * inv_t).exp());
-        if acc > target {
-            return i;
+        for (i, &wi) in w.iter().enumerate() {
+            acc += f64::from(wi);
+            if wi > 0.0 {
+                last = c * CHUNK + i;
+                if acc > target {
+                    return last;
+                }
+            }
         }
-        last = i;
     }
     // Only reachable through rounding: the mass ran out just short of `target`.
     last
