@@ -273,12 +273,9 @@ mod tests {
         let n1: f32 = x.iter().map(|v| v * v).sum();
         assert!((n0 - n1).abs() < 1e-4);
     }
-}
 
-#[cfg(test)]
-mod bench {
-    use super::*;
-
+    /// Kernel speed in isolation (`cargo test --release -p pdserve-engine --lib
+    /// attention_decode_speed -- --ignored --nocapture`).
     #[test]
     #[ignore]
     fn attention_decode_speed() {
@@ -287,23 +284,21 @@ mod bench {
             n_kv_heads: 3,
             head_dim: 64,
         };
-        let kv_row = h.n_kv_heads * h.head_dim;
-        let ctx = 140;
-        let ks: Vec<Vec<f32>> = (0..16)
-            .map(|i| {
-                (0..ctx * kv_row)
-                    .map(|j| ((i * 7 + j) % 13) as f32 * 0.01)
-                    .collect()
-            })
+        let (ctx, seqs) = (140, 16);
+        let ks: Vec<Vec<f32>> = (0..seqs)
+            .map(|i| values(ctx * h.n_kv_heads * h.head_dim, i as u32))
             .collect();
-        let seqs: Vec<SeqView> = ks.iter().map(|k| SeqView { k, v: k }).collect();
-        let row_seq: Vec<(usize, usize)> = (0..16).map(|i| (i, ctx - 1)).collect();
-        let q = vec![0.01f32; 16 * 9 * 64];
+        let views: Vec<SeqView> = ks.iter().map(|k| SeqView { k, v: k }).collect();
+        let row_seq: Vec<(usize, usize)> = (0..seqs).map(|i| (i, ctx - 1)).collect();
+        let q = values(seqs * h.n_heads * h.head_dim, 5);
         let mut out = vec![0f32; q.len()];
-        let t = std::time::Instant::now();
+        let start = std::time::Instant::now();
         for _ in 0..300 {
-            attention(&q, &seqs, &row_seq, h, &mut out);
+            attention(&q, &views, &row_seq, h, &mut out);
         }
-        eprintln!("per layer call: {:?}", t.elapsed() / 300);
+        eprintln!(
+            "one layer, {seqs} sequences of {ctx}: {:?}",
+            start.elapsed() / 300
+        );
     }
 }

@@ -31,18 +31,15 @@ fn logits_match_candle_quantized_llama_with_dequantized_weights() {
         let ids = tok.encode(prompt, false).unwrap();
         let mut kv = pool.allocate(ids.len() + 1).unwrap();
         let got = ours.prefill(&ids, &mut kv).unwrap();
-        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let want: Vec<f32> = theirs
-            .forward(&input, 0)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let diff = max_abs_diff(&got, &want);
+        let mut theirs_logits = |tokens: &[u32], pos: usize| -> Vec<f32> {
+            let input = Tensor::new(tokens, &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            let logits = theirs.forward(&input, pos).unwrap();
+            logits.flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let diff = max_abs_diff(&got, &theirs_logits(&ids, 0));
         assert!(diff < 1e-3, "{prompt:?}: max |Δlogit| = {diff}");
         // And one decode step on top, against theirs at index_pos = len.
         let next = argmax(&got);
@@ -51,18 +48,7 @@ fn logits_match_candle_quantized_llama_with_dequantized_weights() {
             .unwrap()
             .into_rows()
             .remove(0);
-        let input = Tensor::new(&[next], &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let want: Vec<f32> = theirs
-            .forward(&input, ids.len())
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let diff = max_abs_diff(&got, &want);
+        let diff = max_abs_diff(&got, &theirs_logits(&[next], ids.len()));
         assert!(diff < 1e-3, "{prompt:?} decode: max |Δlogit| = {diff}");
     }
 }

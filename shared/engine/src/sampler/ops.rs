@@ -70,7 +70,7 @@ impl LogitStats {
         // At T == 1 the scaled sum equals the plain one: skip its exps.
         let scaled_sum = match inv_temp {
             None => 0.0,
-            Some(inv_t) if inv_t == 1.0 => sum,
+            Some(1.0) => sum,
             Some(inv_t) => exp_sum(logits, max, inv_t),
         };
         Ok(Self {
