@@ -294,6 +294,29 @@ impl SeqKv {
         tokens: usize,
         bytes: &[u8],
     ) -> Result<(), KvError> {
+        let expected = self.pool.layout.layer_bytes(tokens, dtype);
+        if bytes.len() != expected {
+            return Err(KvError::BadImport(format!(
+                "layer {layer}: {} bytes, expected {expected} for {tokens} tokens",
+                bytes.len()
+            )));
+        }
+        let (k, v) = bytes.split_at(expected / 2);
+        self.import_rows(layer, dtype, 0, tokens, k, v)
+    }
+
+    /// Appends K and V rows of tokens `token_start..token_start + tokens` to one
+    /// layer, which must hold exactly `token_start` tokens so far (chunks arrive
+    /// in order per layer). Nothing is committed until [`finish_import`](Self::finish_import).
+    pub fn import_rows(
+        &mut self,
+        layer: usize,
+        dtype: KvDtype,
+        token_start: usize,
+        tokens: usize,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<(), KvError> {
         let layout = self.pool.layout;
         if layer >= layout.n_layers {
             return Err(KvError::BadImport(format!(
@@ -301,22 +324,23 @@ impl SeqKv {
                 layout.n_layers
             )));
         }
-        if self.len != 0 || !self.k[layer].is_empty() {
+        if self.len != 0 || self.layer_len(layer) != token_start {
             return Err(KvError::BadImport(format!(
-                "layer {layer} already holds KV"
+                "layer {layer} holds {} tokens, chunk starts at {token_start}",
+                self.layer_len(layer)
             )));
         }
-        self.ensure_room(tokens)?;
-        let expected = layout.layer_bytes(tokens, dtype);
-        if bytes.len() != expected {
+        self.ensure_room(token_start + tokens)?;
+        let expected = tokens * layout.row() * dtype.size();
+        if k.len() != expected || v.len() != expected {
             return Err(KvError::BadImport(format!(
-                "layer {layer}: {} bytes, expected {expected} for {tokens} tokens",
-                bytes.len()
+                "layer {layer}: K {} and V {} bytes, expected {expected} each for {tokens} tokens",
+                k.len(),
+                v.len()
             )));
         }
-        let (kb, vb) = bytes.split_at(expected / 2);
-        self.k[layer] = read_values(kb, dtype);
-        self.v[layer] = read_values(vb, dtype);
+        let (k, v) = (read_values(k, dtype), read_values(v, dtype));
+        self.append(layer, &k, &v);
         Ok(())
     }
 
@@ -489,6 +513,30 @@ mod tests {
         // Layer 1 never arrived.
         assert!(dst.finish_import(2).is_err());
         assert_eq!(dst.len(), 0);
+    }
+
+    #[test]
+    fn chunked_import_in_order_equals_whole_import() {
+        let pool = KvPool::new(layout(), 100);
+        let src = filled(&pool, 5);
+        let row_bytes = layout().row() * 4;
+        let mut dst = pool.allocate(5).unwrap();
+        for (start, n) in [(0usize, 2usize), (2, 3)] {
+            for l in 0..2 {
+                let mut bytes = Vec::new();
+                src.export_layer(l, KvDtype::F32, &mut bytes);
+                let (k, v) = bytes.split_at(bytes.len() / 2);
+                let range = start * row_bytes..(start + n) * row_bytes;
+                dst.import_rows(l, KvDtype::F32, start, n, &k[range.clone()], &v[range])
+                    .unwrap();
+            }
+        }
+        // A chunk out of order is refused.
+        assert!(dst
+            .import_rows(0, KvDtype::F32, 1, 1, &[0; 32], &[0; 32])
+            .is_err());
+        dst.finish_import(5).unwrap();
+        assert_eq!(src.layer(1), dst.layer(1));
     }
 
     #[test]

@@ -1,0 +1,51 @@
+//! Command-line flags (each with an environment variable).
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use pdserve_engine::WeightFormat;
+use pdserve_runtime::telemetry::TelemetryArgs;
+
+/// pdserve decode worker.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "pdserve-decode", version, about)]
+pub struct Args {
+    /// Address to listen on.
+    #[arg(long, env = "PDSERVE_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, env = "PDSERVE_DECODE_PORT", default_value_t = 8200)]
+    pub port: u16,
+    /// Base URL at which prefill workers reach this worker (default: http://HOST:PORT).
+    #[arg(long, env = "PDSERVE_PUBLIC_URL")]
+    pub public_url: Option<String>,
+    /// GGUF model file.
+    #[arg(long, env = "PDSERVE_MODEL")]
+    pub model: PathBuf,
+    /// Weight format: q8_0, f32 or native. Prefill workers must use the same.
+    #[arg(long, env = "PDSERVE_WEIGHTS", default_value = "q8_0")]
+    pub weights: WeightFormat,
+    /// Device: cpu, or cuda[:N] in a CUDA build.
+    #[arg(long, env = "PDSERVE_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Threads for the model (0 = one per core).
+    #[arg(long, env = "PDSERVE_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// Sequences per decode step at most.
+    #[arg(long, env = "PDSERVE_MAX_BATCH", default_value_t = 32)]
+    pub max_batch: usize,
+    /// KV cache budget in tokens (each token costs 46 KB for the default model).
+    #[arg(long, env = "PDSERVE_KV_CACHE_TOKENS", default_value_t = 65_536)]
+    pub kv_cache_tokens: usize,
+    /// Prompt tokens per local prefill chunk.
+    #[arg(long, env = "PDSERVE_PREFILL_CHUNK_TOKENS", default_value_t = 512)]
+    pub prefill_chunk_tokens: usize,
+    /// Sequences that may wait for the engine before requests are refused.
+    #[arg(long, env = "PDSERVE_MAX_QUEUE", default_value_t = 256)]
+    pub max_queue: usize,
+    /// Seconds to let in-flight sequences finish after SIGTERM.
+    #[arg(long, env = "PDSERVE_DRAIN_SECONDS", default_value_t = 30)]
+    pub drain_seconds: u64,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+}

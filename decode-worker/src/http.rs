@@ -1,0 +1,241 @@
+//! HTTP handlers: generate (a stream of JSON lines), health, readiness, load
+//! and metrics. KV ingest lives in `ingest.rs`.
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::StreamExt;
+use pdserve_engine::sampler::SamplingParams;
+use pdserve_engine::KvError;
+use pdserve_protocol::internal::{
+    validate_request_id, ErrorBody, ErrorClass, GenerateEvent, GenerateRequest, KvSource,
+    LoadReport,
+};
+use tokio::sync::mpsc;
+
+use crate::engine::{to_params, Job, Start};
+use crate::state::{AppState, Pending};
+
+/// Largest generate request body (a prompt of token ids).
+const MAX_BODY_BYTES: usize = 8 << 20;
+
+/// The worker's routes.
+pub fn routes(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/internal/generate", post(generate))
+        .route("/v1/internal/kv/{request_id}", post(crate::ingest::ingest))
+        .route("/health", get(|| async { "ok" }))
+        .route("/ready", get(ready))
+        .route("/load", get(load))
+        .route("/metrics", get(metrics))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// An [`ErrorBody`] as an HTTP response: fatal → 400, retryable → 503 with `Retry-After`.
+pub struct ApiError(pub ErrorBody);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = match self.0.class {
+            ErrorClass::Fatal => StatusCode::BAD_REQUEST,
+            ErrorClass::Retryable => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        let mut resp = (status, Json(self.0)).into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+async fn generate(
+    State(state): State<Arc<AppState>>,
+    body: Result<Json<GenerateRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body.map_err(|e| ApiError(ErrorBody::fatal("invalid_json", e.body_text())))?;
+    if !state.ready.load(Ordering::Relaxed) {
+        return Err(ApiError(ErrorBody::retryable(
+            "not_ready",
+            "the worker is not ready or is draining",
+        )));
+    }
+    validate(&state, &req).map_err(ApiError)?;
+    let capacity = req.prompt_tokens.len() + req.sampling.max_tokens as usize;
+    let kv = state.pool.allocate(capacity).map_err(|e| {
+        let retry = matches!(e, KvError::Exhausted { .. });
+        let kind = e.kind();
+        ApiError(match retry {
+            true => ErrorBody::retryable(kind, e.to_string()),
+            false => ErrorBody::fatal(kind, e.to_string()),
+        })
+    })?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    match req.kv_source {
+        KvSource::Local => {
+            let _ = tx.send(GenerateEvent::Reserved { kv_url: None });
+            let job = Job {
+                request_id: req.request_id,
+                prompt: req.prompt_tokens,
+                sampling: req.sampling,
+                kv,
+                start: Start::Prefill,
+                events: tx,
+            };
+            state.engine.submit(job).map_err(ApiError)?;
+        }
+        KvSource::Remote { lease_ms } => {
+            let url = format!("{}/v1/internal/kv/{}", state.public_url, req.request_id);
+            let _ = tx.send(GenerateEvent::Reserved { kv_url: Some(url) });
+            let pending = Pending {
+                prompt: req.prompt_tokens,
+                sampling: req.sampling,
+                kv,
+                events: tx.clone(),
+            };
+            let mut map = state.pending();
+            if map.contains_key(&req.request_id) {
+                return Err(ApiError(ErrorBody::fatal(
+                    "duplicate_request_id",
+                    "this request id is already waiting for KV",
+                )));
+            }
+            map.insert(req.request_id.clone(), pending);
+            drop(map);
+            tokio::spawn(lease(
+                state.clone(),
+                req.request_id,
+                Duration::from_millis(lease_ms),
+                tx,
+            ));
+        }
+    }
+    Ok(stream_events(rx))
+}
+
+/// Releases a remote reservation whose KV has not arrived in time, or whose
+/// client went away while waiting.
+async fn lease(
+    state: Arc<AppState>,
+    id: String,
+    within: Duration,
+    events: mpsc::UnboundedSender<GenerateEvent>,
+) {
+    let expired = tokio::select! {
+        _ = tokio::time::sleep(within) => true,
+        _ = events.closed() => false,
+    };
+    // Absent: the KV is being ingested or has been admitted; the ingest owns it now.
+    if let Some(p) = state.pending().remove(&id) {
+        if expired {
+            tracing::warn!(request_id = %id, "KV lease expired: releasing the reservation");
+            let _ = p.events.send(GenerateEvent::Error(ErrorBody::retryable(
+                "kv_lease_expired",
+                format!("the KV did not arrive within {} ms", within.as_millis()),
+            )));
+        }
+    }
+}
+
+fn validate(state: &AppState, req: &GenerateRequest) -> Result<(), ErrorBody> {
+    validate_request_id(&req.request_id)?;
+    let cfg = state.model.config();
+    let bad = |m: String| Err(ErrorBody::fatal("invalid_request", m));
+    if req.prompt_tokens.is_empty() {
+        return bad("the prompt is empty".into());
+    }
+    if let Some(t) = req
+        .prompt_tokens
+        .iter()
+        .find(|&&t| t as usize >= cfg.vocab_size)
+    {
+        return bad(format!(
+            "token id {t} is outside the vocabulary of {}",
+            cfg.vocab_size
+        ));
+    }
+    if req.sampling.max_tokens == 0 {
+        return bad("max_tokens must be at least 1".into());
+    }
+    let total = req.prompt_tokens.len() + req.sampling.max_tokens as usize;
+    if total > cfg.context_length {
+        return Err(ErrorBody::fatal(
+            "context_length_exceeded",
+            format!(
+                "prompt plus max_tokens is {total} tokens; the context window is {}",
+                cfg.context_length
+            ),
+        ));
+    }
+    let params: SamplingParams = to_params(&req.sampling);
+    params
+        .validate()
+        .map_err(|e| ErrorBody::fatal("invalid_sampling", e.to_string()))
+}
+
+/// Streams events as JSON lines until the engine drops the sender.
+fn stream_events(rx: mpsc::UnboundedReceiver<GenerateEvent>) -> Response {
+    let lines = tokio_stream_from(rx).map(|event| {
+        let mut line = serde_json::to_vec(&event).unwrap_or_default();
+        line.push(b'\n');
+        Ok::<_, Infallible>(bytes::Bytes::from(line))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/x-ndjson")
+        .body(Body::from_stream(lines))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+fn tokio_stream_from<T: Send + 'static>(
+    mut rx: mpsc::UnboundedReceiver<T>,
+) -> impl futures_util::Stream<Item = T> {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+async fn ready(State(state): State<Arc<AppState>>) -> StatusCode {
+    match state.ready.load(Ordering::Relaxed) {
+        true => StatusCode::OK,
+        false => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+/// The load report the router balances on.
+pub fn load_report(state: &AppState) -> LoadReport {
+    let usage = state.pool.usage();
+    let stats = &state.engine.stats;
+    LoadReport {
+        queued_requests: stats.queued.load(Ordering::Relaxed),
+        queued_tokens: stats.queued_tokens.load(Ordering::Relaxed),
+        active_sequences: stats.active.load(Ordering::Relaxed),
+        kv_used_tokens: usage.reserved_tokens as u64,
+        kv_free_tokens: usage.free_tokens() as u64,
+        tokens_per_second: f64::from_bits(stats.tokens_per_second.load(Ordering::Relaxed)),
+        ready: state.ready.load(Ordering::Relaxed),
+    }
+}
+
+async fn load(State(state): State<Arc<AppState>>) -> Json<LoadReport> {
+    Json(load_report(&state))
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    let usage = state.pool.usage();
+    let m = &state.metrics;
+    m.kv_usage_ratio.set(usage.usage_ratio());
+    m.kv_used_tokens.set(usage.reserved_tokens as f64);
+    m.kv_capacity_tokens.set(usage.budget_tokens as f64);
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        pdserve_runtime::metrics::render(&m.registry),
+    )
+}

@@ -1,0 +1,68 @@
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use pdserve_decode::{build_app, build_state, Args};
+use pdserve_engine::{LoadOptions, Model, Tokenizer};
+use tokio_util::sync::CancellationToken;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    pdserve_runtime::telemetry::init(&args.telemetry);
+    let threads = pdserve_engine::threads::configure(args.threads);
+    tracing::info!(?args, threads, "starting the decode worker");
+    let device = pdserve_engine::device::parse_device(&args.device)?;
+    let started = Instant::now();
+    let opts = LoadOptions {
+        weights: args.weights,
+        device,
+    };
+    let path = args.model.clone();
+    let model = tokio::task::spawn_blocking(move || Model::load(&path, &opts)).await??;
+    let tokenizer = Tokenizer::from_gguf_file(&args.model)?;
+    tracing::info!(
+        secs = started.elapsed().as_secs_f64(),
+        fingerprint = model.fingerprint(),
+        "model loaded"
+    );
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let addr = listener.local_addr()?;
+    let public_url = args
+        .public_url
+        .clone()
+        .unwrap_or_else(|| format!("http://{addr}"));
+    let state = build_state(Arc::new(model), tokenizer.eos_token_id(), &args, public_url);
+    let shutdown = CancellationToken::new();
+    pdserve_runtime::shutdown::cancel_on_signal(shutdown.clone());
+    tracing::info!(%addr, "listening");
+    let drain = drain(
+        state.clone(),
+        shutdown.clone(),
+        Duration::from_secs(args.drain_seconds),
+    );
+    let server = axum::serve(listener, build_app(state)).with_graceful_shutdown(drain);
+    server.await?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// On shutdown: stop taking work, let in-flight sequences finish (bounded by
+/// `deadline`), then let the server close.
+async fn drain(
+    state: Arc<pdserve_decode::state::AppState>,
+    token: CancellationToken,
+    deadline: Duration,
+) {
+    token.cancelled().await;
+    state.ready.store(false, Ordering::Relaxed);
+    let until = Instant::now() + deadline;
+    while Instant::now() < until && (state.engine.in_flight() > 0 || !state.pending().is_empty()) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tracing::info!("drained");
+}

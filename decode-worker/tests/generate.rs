@@ -1,0 +1,325 @@
+//! The decode worker end to end on the tiny model: local prefill, continuous
+//! batching, remote KV ingest, leases, cancellation and errors.
+
+mod common;
+
+use common::*;
+use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
+use pdserve_engine::KvDtype;
+use pdserve_protocol::internal::{FinishReason, GenerateEvent, KvSource};
+use pdserve_protocol::kvwire::{self, KvHeader, KvTrailer};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_generation_streams_the_engine_tokens() {
+    let w = start(&[]).await;
+    let p = prompt(12, 0);
+    let resp = post(&w.url, &request("r1", p.clone(), 9, KvSource::Local)).await;
+    assert_eq!(resp.status(), 200);
+    let events = Lines::new(resp).all().await;
+    assert_eq!(events[0], GenerateEvent::Reserved { kv_url: None });
+    assert_eq!(tokens(&events), reference(&w.model, &p, 9));
+    assert_eq!(
+        events.last().unwrap(),
+        &GenerateEvent::Finished {
+            reason: FinishReason::Length,
+            prompt_tokens: 12,
+            completion_tokens: 9
+        }
+    );
+    assert!(
+        wait_kv_free(&w.url).await,
+        "KV freed after the sequence ends"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_sequences_batch_without_changing_tokens() {
+    let w = start(&["--prefill-chunk-tokens", "5"]).await;
+    let lens = [3usize, 17, 8, 30];
+    let mut streams = Vec::new();
+    for (i, &n) in lens.iter().enumerate() {
+        let req = request(
+            &format!("c{i}"),
+            prompt(n, i as u32),
+            10 + i as u32,
+            KvSource::Local,
+        );
+        streams.push(tokio::spawn({
+            let url = w.url.clone();
+            async move { Lines::new(post(&url, &req).await).all().await }
+        }));
+    }
+    for (i, s) in streams.into_iter().enumerate() {
+        let events = s.await.unwrap();
+        assert_eq!(
+            tokens(&events),
+            reference(&w.model, &prompt(lens[i], i as u32), 10 + i),
+            "sequence {i}"
+        );
+    }
+    let metrics = reqwest::get(format!("{}/metrics", w.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("pdserve_decode_batch_size_bucket"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("pdserve_generation_tokens_total 46"),
+        "{metrics}"
+    );
+}
+
+/// Computes a prompt's KV and first token like a prefill worker would, as a kvwire stream.
+fn kv_stream(w: &Worker, id: &str, p: &[u32], chunk: usize, dtype: KvDtype) -> (Vec<u8>, u32) {
+    let pool = pdserve_engine::KvPool::new(w.model.kv_layout(), 4096);
+    let mut kv = pool.allocate(p.len()).unwrap();
+    let layout = w.model.kv_layout();
+    let wire_dtype = match dtype {
+        KvDtype::F32 => kvwire::KvDtype::F32,
+        KvDtype::F16 => kvwire::KvDtype::F16,
+    };
+    let header = KvHeader {
+        request_id: id.into(),
+        model_fingerprint: w.model.fingerprint(),
+        dtype: wire_dtype,
+        n_layers: layout.n_layers as u32,
+        n_kv_heads: layout.n_kv_heads as u32,
+        head_dim: layout.head_dim as u32,
+        n_tokens: p.len() as u32,
+        seed: 0,
+    };
+    let mut out = kvwire::encode_header(&header).unwrap();
+    let mut logits = Vec::new();
+    for (c, tokens) in p.chunks(chunk).enumerate() {
+        logits = w.model.prefill(tokens, &mut kv).unwrap();
+        let start = c * chunk;
+        for l in 0..layout.n_layers {
+            let mut bytes = Vec::new();
+            kv.export_layer(l, dtype, &mut bytes);
+            let (k, v) = bytes.split_at(bytes.len() / 2);
+            let row = layout.row() * dtype.size();
+            let range = start * row..(start + tokens.len()) * row;
+            let parts = [(&k[range.clone()], &v[range])];
+            kvwire::encode_layer_parts(
+                l as u32,
+                start as u32,
+                tokens.len() as u32,
+                &parts,
+                &mut out,
+            )
+            .unwrap();
+        }
+    }
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    };
+    let first = sample(&logits, &greedy, p.len() as u64, &TokenCounts::default()).unwrap();
+    let trailer = KvTrailer {
+        first_token: first.token,
+        first_logprob: first.logprob,
+        top_logprobs: vec![],
+    };
+    out.extend(kvwire::encode_end(&trailer).unwrap());
+    (out, first.token)
+}
+
+async fn reserve_remote(w: &Worker, id: &str, p: &[u32], n: u32, lease_ms: u64) -> (Lines, String) {
+    let resp = post(
+        &w.url,
+        &request(id, p.to_vec(), n, KvSource::Remote { lease_ms }),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let mut lines = Lines::new(resp);
+    let Some(GenerateEvent::Reserved { kv_url: Some(url) }) = lines.next().await else {
+        panic!("expected a Reserved event with a KV URL")
+    };
+    (lines, url)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_kv_in_chunks_gives_exactly_the_local_tokens() {
+    let w = start(&[]).await;
+    let p = prompt(23, 3);
+    let (lines, url) = reserve_remote(&w, "remote-1", &p, 8, 5_000).await;
+    let (stream, _) = kv_stream(&w, "remote-1", &p, 10, KvDtype::F32);
+    let resp = reqwest::Client::new()
+        .post(&url)
+        .body(stream)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
+    let events = lines.all().await;
+    assert_eq!(tokens(&events), reference(&w.model, &p, 8));
+    assert!(matches!(
+        events.last(),
+        Some(GenerateEvent::Finished {
+            reason: FinishReason::Length,
+            ..
+        })
+    ));
+    let metrics = reqwest::get(format!("{}/metrics", w.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("pdserve_kv_transfer_bytes_total"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_kv_is_refused_and_the_reservation_survives_for_a_retry() {
+    let w = start(&[]).await;
+    let p = prompt(9, 4);
+    let (lines, url) = reserve_remote(&w, "retry-1", &p, 4, 5_000).await;
+    let (good, _) = kv_stream(&w, "retry-1", &p, 9, KvDtype::F16);
+    let mut bad = good.clone();
+    let mid = bad.len() / 2;
+    bad[mid] ^= 0x40;
+    let client = reqwest::Client::new();
+    let resp = client.post(&url).body(bad).send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["class"], "fatal", "{body}");
+    // A stream cut short, as when a prefill worker dies mid-transfer.
+    let (mut other, _) = kv_stream(&w, "retry-1", &p, 9, KvDtype::F16);
+    other.truncate(other.len() - 30);
+    let resp = client.post(&url).body(other).send().await.unwrap();
+    assert_eq!(resp.status(), 503, "a truncated stream is retryable");
+    let resp = client.post(&url).body(good).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(tokens(&lines.all().await).len(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_lease_releases_the_reservation() {
+    let w = start(&[]).await;
+    let (lines, url) = reserve_remote(&w, "late-1", &prompt(5, 1), 4, 100).await;
+    assert!(load(&w.url).await["kv_used_tokens"].as_u64().unwrap() > 0);
+    let events = lines.all().await;
+    match events.last() {
+        Some(GenerateEvent::Error(e)) => assert_eq!(e.kind, "kv_lease_expired"),
+        other => panic!("expected a lease error, got {other:?}"),
+    }
+    assert!(wait_kv_free(&w.url).await);
+    let resp = reqwest::Client::new()
+        .post(&url)
+        .body(vec![0u8; 10])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400, "the reservation is gone");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_disconnect_frees_the_kv() {
+    let w = start(&[]).await;
+    let resp = post(
+        &w.url,
+        &request("gone-1", prompt(20, 2), 400, KvSource::Local),
+    )
+    .await;
+    let mut lines = Lines::new(resp);
+    assert!(matches!(
+        lines.next().await,
+        Some(GenerateEvent::Reserved { .. })
+    ));
+    assert!(matches!(
+        lines.next().await,
+        Some(GenerateEvent::Token { .. })
+    ));
+    drop(lines);
+    assert!(
+        wait_kv_free(&w.url).await,
+        "KV still held after the client left"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_classified_errors() {
+    let w = start(&["--kv-cache-tokens", "100"]).await;
+    let client = reqwest::Client::new();
+    let resp = client
+        .post(format!("{}/v1/internal/generate", w.url))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    for (req, kind) in [
+        (request("e1", vec![], 4, KvSource::Local), "invalid_request"),
+        (
+            request("e2", vec![3, 99_999], 4, KvSource::Local),
+            "invalid_request",
+        ),
+        (
+            request("e3", prompt(10, 0), 600, KvSource::Local),
+            "context_length_exceeded",
+        ),
+        (
+            request("bad id", prompt(3, 0), 4, KvSource::Local),
+            "invalid_request_id",
+        ),
+    ] {
+        let resp = post(&w.url, &req).await;
+        assert_eq!(resp.status(), 400);
+        let body: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(body["kind"], kind, "{body}");
+    }
+    let resp = post(&w.url, &request("e5", prompt(60, 0), 60, KvSource::Local)).await;
+    assert_eq!(
+        resp.status(),
+        503,
+        "120 tokens do not fit a 100-token budget"
+    );
+    assert_eq!(resp.headers()["retry-after"], "1");
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(
+        (body["kind"].as_str(), body["class"].as_str()),
+        (Some("kv_exhausted"), Some("retryable"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_ready_and_load() {
+    let w = start(&[]).await;
+    assert_eq!(
+        reqwest::get(format!("{}/health", w.url))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        reqwest::get(format!("{}/ready", w.url))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let l = load(&w.url).await;
+    assert_eq!(l["ready"], true);
+    assert_eq!(l["kv_free_tokens"], 65_536);
+    w.state
+        .ready
+        .store(false, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        reqwest::get(format!("{}/ready", w.url))
+            .await
+            .unwrap()
+            .status(),
+        503
+    );
+    let resp = post(&w.url, &request("d1", prompt(4, 0), 2, KvSource::Local)).await;
+    assert_eq!(resp.status(), 503, "a draining worker refuses new work");
+}

@@ -1,0 +1,245 @@
+//! The internal HTTP/JSON API between the router and the workers.
+//!
+//! - `POST /v1/internal/generate` (decode worker): a [`GenerateRequest`]; the
+//!   response is a stream of [`GenerateEvent`]s, one JSON object per line.
+//! - `POST /v1/internal/prefill` (prefill worker): a [`PrefillJob`]; the
+//!   response is a [`PrefillResult`] once the KV is delivered, or an
+//!   [`ErrorBody`].
+//! - `GET /load` (both): a [`LoadReport`].
+
+use serde::{Deserialize, Serialize};
+
+/// Version of this API; sent in the `x-pdserve-api` header.
+pub const API_VERSION: u32 = 1;
+/// Header that carries the request id through every process.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+/// Longest accepted request id, in bytes.
+pub const MAX_REQUEST_ID_LEN: usize = 128;
+
+/// How to sample, as sent to workers (validated by the router).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingSpec {
+    /// 0 means greedy.
+    pub temperature: f32,
+    pub top_k: Option<u32>,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub seed: u64,
+    /// How many alternatives to report with each token (0 = none).
+    pub top_logprobs: u32,
+    /// Completion tokens to generate at most.
+    pub max_tokens: u32,
+    /// Keep generating past the model's end-of-sequence token.
+    pub ignore_eos: bool,
+    /// Extra token ids that end the sequence.
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl Default for SamplingSpec {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: None,
+            top_p: 1.0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: 0,
+            top_logprobs: 0,
+            max_tokens: 16,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+        }
+    }
+}
+
+/// Where a decode worker gets a sequence's prompt KV from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum KvSource {
+    /// Prefill the prompt on the decode worker itself (aggregated serving).
+    Local,
+    /// A prefill worker streams the KV to this worker's ingest endpoint; the
+    /// reservation is released if it has not fully arrived within `lease_ms`.
+    Remote { lease_ms: u64 },
+}
+
+/// `POST /v1/internal/generate`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    pub request_id: String,
+    pub prompt_tokens: Vec<u32>,
+    pub sampling: SamplingSpec,
+    pub kv_source: KvSource,
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// End-of-sequence or a stop token.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+/// One line of the generate stream.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "event")]
+pub enum GenerateEvent {
+    /// KV capacity is reserved; for a remote source, the KV can be sent to `kv_url`.
+    Reserved { kv_url: Option<String> },
+    /// A generated token.
+    Token {
+        id: u32,
+        logprob: f32,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        top_logprobs: Vec<(u32, f32)>,
+    },
+    /// The sequence ended normally.
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+    },
+    /// The sequence ended with an error.
+    Error(ErrorBody),
+}
+
+/// `POST /v1/internal/prefill`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrefillJob {
+    pub request_id: String,
+    pub prompt_tokens: Vec<u32>,
+    pub sampling: SamplingSpec,
+    /// The decode worker's KV ingest URL (from its `Reserved` event).
+    pub kv_destination: String,
+    /// The job fails (retryably) if the KV is not delivered within this time.
+    pub deadline_ms: u64,
+}
+
+/// A prefill job's result, once the KV is delivered.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrefillResult {
+    pub request_id: String,
+    pub prompt_tokens: u32,
+    pub first_token: u32,
+    pub queue_seconds: f64,
+    pub compute_seconds: f64,
+    pub transfer_bytes: u64,
+}
+
+/// Whether the same request may succeed if sent again (elsewhere or later).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    /// Capacity, a lost peer, a deadline: retry on another worker.
+    Retryable,
+    /// The request itself is at fault: retrying cannot help.
+    Fatal,
+}
+
+/// An error that crosses the wire. Retries branch on `class`, metrics on `kind`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{kind}: {message}")]
+pub struct ErrorBody {
+    pub class: ErrorClass,
+    /// A stable snake_case name, e.g. `kv_exhausted`.
+    pub kind: String,
+    pub message: String,
+}
+
+impl ErrorBody {
+    pub fn retryable(kind: &str, message: impl Into<String>) -> Self {
+        Self {
+            class: ErrorClass::Retryable,
+            kind: kind.to_string(),
+            message: message.into(),
+        }
+    }
+
+    pub fn fatal(kind: &str, message: impl Into<String>) -> Self {
+        Self {
+            class: ErrorClass::Fatal,
+            kind: kind.to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+/// `GET /load`: what the router balances and scales on.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoadReport {
+    /// Requests waiting (not yet running).
+    pub queued_requests: u64,
+    /// Prompt tokens waiting to be prefilled.
+    pub queued_tokens: u64,
+    /// Sequences being decoded (or prefilled) now.
+    pub active_sequences: u64,
+    pub kv_used_tokens: u64,
+    pub kv_free_tokens: u64,
+    /// Tokens processed per second, recent average.
+    pub tokens_per_second: f64,
+    /// Ready to take work (model loaded, not draining).
+    pub ready: bool,
+}
+
+/// Checks a request id: 1..=128 printable ASCII characters.
+pub fn validate_request_id(id: &str) -> Result<(), ErrorBody> {
+    let ok = !id.is_empty()
+        && id.len() <= MAX_REQUEST_ID_LEN
+        && id.bytes().all(|b| b.is_ascii_graphic());
+    match ok {
+        true => Ok(()),
+        false => Err(ErrorBody::fatal(
+            "invalid_request_id",
+            format!("request id must be 1..={MAX_REQUEST_ID_LEN} printable ASCII characters"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_serialize_as_tagged_lines() {
+        let e = GenerateEvent::Token {
+            id: 5,
+            logprob: -0.5,
+            top_logprobs: vec![],
+        };
+        assert_eq!(
+            serde_json::to_string(&e).unwrap(),
+            r#"{"event":"token","id":5,"logprob":-0.5}"#
+        );
+        let e = GenerateEvent::Error(ErrorBody::retryable("kv_exhausted", "full"));
+        let json = serde_json::to_string(&e).unwrap();
+        assert_eq!(
+            json,
+            r#"{"event":"error","class":"retryable","kind":"kv_exhausted","message":"full"}"#
+        );
+        assert_eq!(serde_json::from_str::<GenerateEvent>(&json).unwrap(), e);
+    }
+
+    #[test]
+    fn sampling_defaults_fill_missing_fields() {
+        let s: SamplingSpec = serde_json::from_str(r#"{"temperature":0,"max_tokens":3}"#).unwrap();
+        assert_eq!(s.temperature, 0.0);
+        assert_eq!(s.max_tokens, 3);
+        assert_eq!(s.top_p, 1.0);
+        let src: KvSource = serde_json::from_str(r#"{"kind":"remote","lease_ms":500}"#).unwrap();
+        assert_eq!(src, KvSource::Remote { lease_ms: 500 });
+    }
+
+    #[test]
+    fn request_ids_are_validated() {
+        assert!(validate_request_id("req-1").is_ok());
+        assert!(validate_request_id("").is_err());
+        assert!(validate_request_id("has space").is_err());
+        assert!(validate_request_id(&"x".repeat(129)).is_err());
+    }
+}

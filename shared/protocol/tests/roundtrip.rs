@@ -1,0 +1,93 @@
+//! Round trips of hand-written streams, decoded in pieces of various sizes.
+
+mod common;
+
+use common::{build, decode_chunked, header, trailer, Chunk, Stream};
+use pdserve_protocol::kvwire::{KvDtype, KvEvent};
+
+/// 10 tokens in 3 chunks over 4 layers, with multi-layer frames.
+fn sample(dtype: KvDtype) -> Stream {
+    let chunks = vec![
+        Chunk {
+            token_start: 0,
+            token_count: 4,
+            groups: vec![(0, 1), (1, 3)],
+        },
+        Chunk {
+            token_start: 4,
+            token_count: 1,
+            groups: vec![(0, 4)],
+        },
+        Chunk {
+            token_start: 5,
+            token_count: 5,
+            groups: vec![(0, 1), (1, 1), (2, 2)],
+        },
+    ];
+    build(&header(dtype, 4, 2, 3, 10), &chunks, &trailer(5), 7)
+}
+
+#[test]
+fn round_trip_in_pieces_of_1_7_and_all() {
+    for dtype in [KvDtype::F16, KvDtype::F32] {
+        let stream = sample(dtype);
+        assert_eq!(stream.events.len(), 8);
+        for size in [1, 7, stream.bytes.len()] {
+            let events = decode_chunked(&stream.bytes, size).expect("decodes");
+            assert_eq!(events, stream.events, "dtype {dtype:?}, pieces of {size}");
+        }
+    }
+}
+
+#[test]
+fn layer_kv_slices_match_the_layout() {
+    let stream = sample(KvDtype::F16);
+    let side = 4 * 2 * 3 * 2; // tokens * heads * head_dim * f16
+    let KvEvent::Layers(frame) = &stream.events[2] else {
+        panic!("expected layers")
+    };
+    assert_eq!((frame.layer_start, frame.layer_count), (1, 3));
+    for (i, layer) in (1..4).enumerate() {
+        let (k, v) = frame.layer_kv(layer).expect("layer in frame");
+        assert_eq!(k, &frame.payload[2 * i * side..(2 * i + 1) * side]);
+        assert_eq!(v, &frame.payload[(2 * i + 1) * side..(2 * i + 2) * side]);
+    }
+    assert_eq!(frame.layer_kv(0), None);
+    assert_eq!(frame.layer_kv(4), None);
+}
+
+#[test]
+fn single_chunk_single_frame_stream() {
+    let chunks = vec![Chunk {
+        token_start: 0,
+        token_count: 1,
+        groups: vec![(0, 1)],
+    }];
+    let stream = build(&header(KvDtype::F32, 1, 1, 1, 1), &chunks, &trailer(0), 1);
+    assert_eq!(
+        decode_chunked(&stream.bytes, 3).expect("decodes"),
+        stream.events
+    );
+}
+
+#[test]
+fn header_is_available_before_the_layers_arrive() {
+    let stream = sample(KvDtype::F16);
+    let mut decoder = pdserve_protocol::kvwire::KvStreamDecoder::new(Default::default());
+    let header_len = 12 + 2 + 8 + 33 + 4;
+    assert!(decoder
+        .push(&stream.bytes[..header_len - 1])
+        .expect("ok")
+        .is_empty());
+    assert!(decoder.header().is_none());
+    let events = decoder
+        .push(&stream.bytes[header_len - 1..header_len])
+        .expect("ok");
+    assert_eq!(events, stream.events[..1]);
+    assert_eq!(decoder.header().map(|h| h.n_tokens), Some(10));
+    assert!(!decoder.is_complete());
+    assert_eq!(
+        decoder.finish(),
+        Err(pdserve_protocol::kvwire::KvWireError::Truncated)
+    );
+}

@@ -1,0 +1,131 @@
+//! Every Prometheus metric name pdserve exports, in one place, and helpers to
+//! register them. Rules: `pdserve_` prefix, `_total` on counters, a unit
+//! suffix, label values from constants.
+
+use prometheus::{Encoder, HistogramOpts, Opts, Registry, TextEncoder};
+
+pub const KV_CACHE_USAGE_RATIO: &str = "pdserve_kv_cache_usage_ratio";
+pub const KV_CACHE_USED_TOKENS: &str = "pdserve_kv_cache_used_tokens";
+pub const KV_CACHE_CAPACITY_TOKENS: &str = "pdserve_kv_cache_capacity_tokens";
+pub const ACTIVE_SEQUENCES: &str = "pdserve_active_sequences";
+pub const QUEUE_DEPTH: &str = "pdserve_queue_depth";
+pub const QUEUE_DEPTH_TOKENS: &str = "pdserve_queue_depth_tokens";
+pub const DECODE_BATCH_SIZE: &str = "pdserve_decode_batch_size";
+pub const DECODE_STEP_SECONDS: &str = "pdserve_decode_step_seconds";
+pub const PREFILL_SECONDS: &str = "pdserve_prefill_seconds";
+pub const PROMPT_TOKENS_TOTAL: &str = "pdserve_prompt_tokens_total";
+pub const GENERATION_TOKENS_TOTAL: &str = "pdserve_generation_tokens_total";
+pub const KV_TRANSFER_BYTES_TOTAL: &str = "pdserve_kv_transfer_bytes_total";
+pub const KV_TRANSFER_SECONDS: &str = "pdserve_kv_transfer_seconds";
+pub const REQUESTS_TOTAL: &str = "pdserve_requests_total";
+pub const MODEL_FLOPS_UTILIZATION: &str = "pdserve_model_flops_utilization_ratio";
+pub const MODEL_BANDWIDTH_UTILIZATION: &str = "pdserve_model_bandwidth_utilization_ratio";
+
+/// Label values.
+pub mod labels {
+    pub const POOL_PREFILL: &str = "prefill";
+    pub const POOL_DECODE: &str = "decode";
+    pub const DIRECTION_IN: &str = "in";
+    pub const DIRECTION_OUT: &str = "out";
+    pub const STATUS_OK: &str = "ok";
+    pub const STATUS_ERROR: &str = "error";
+    pub const STATUS_CANCELLED: &str = "cancelled";
+}
+
+/// Buckets for per-step and per-token times (1 ms .. 10 s).
+pub const STEP_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0, 10.0,
+];
+/// Buckets for request-level times (10 ms .. 5 min).
+pub const REQUEST_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+/// Buckets for batch sizes.
+pub const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+
+/// Registers a collector, panicking on a duplicate name: that is a
+/// programming error found by the first test that builds the metrics.
+fn register<C: prometheus::core::Collector + Clone + 'static>(registry: &Registry, c: C) -> C {
+    registry
+        .register(Box::new(c.clone()))
+        .expect("metric registered twice");
+    c
+}
+
+pub fn gauge(registry: &Registry, name: &str, help: &str) -> prometheus::Gauge {
+    register(
+        registry,
+        prometheus::Gauge::with_opts(Opts::new(name, help)).expect("valid metric"),
+    )
+}
+
+pub fn int_gauge_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::IntGaugeVec {
+    let g = prometheus::IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    register(registry, g)
+}
+
+pub fn counter(registry: &Registry, name: &str, help: &str) -> prometheus::IntCounter {
+    register(
+        registry,
+        prometheus::IntCounter::with_opts(Opts::new(name, help)).expect("valid metric"),
+    )
+}
+
+pub fn counter_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::IntCounterVec {
+    let c = prometheus::IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    register(registry, c)
+}
+
+pub fn histogram(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    buckets: &[f64],
+) -> prometheus::Histogram {
+    let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+    register(
+        registry,
+        prometheus::Histogram::with_opts(opts).expect("valid metric"),
+    )
+}
+
+/// The registry in Prometheus text format.
+pub fn render(registry: &Registry) -> String {
+    let mut out = Vec::new();
+    // Encoding into a Vec cannot fail for well-formed metrics.
+    let _ = TextEncoder::new().encode(&registry.gather(), &mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_registered_metrics() {
+        let r = Registry::new();
+        let c = counter_vec(&r, REQUESTS_TOTAL, "Requests.", &["status"]);
+        c.with_label_values(&[labels::STATUS_OK]).inc();
+        let h = histogram(&r, DECODE_STEP_SECONDS, "Step time.", STEP_BUCKETS);
+        h.observe(0.003);
+        let text = render(&r);
+        assert!(
+            text.contains("pdserve_requests_total{status=\"ok\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("pdserve_decode_step_seconds_bucket{le=\"0.005\"} 1"),
+            "{text}"
+        );
+    }
+}
