@@ -192,7 +192,7 @@ impl Scheduler {
         self.stats
             .queued_tokens
             .fetch_sub(job.prompt.len() as u64, Ordering::Relaxed);
-        let params = to_params(&job.sampling);
+        let params = SamplingParams::from(&job.sampling);
         let mut seq = Seq {
             id: job.request_id,
             prefilled: 0,
@@ -406,19 +406,5 @@ impl Scheduler {
             .queue_depth_tokens
             .with_label_values(&pool)
             .set(waiting_tokens as i64);
-    }
-}
-
-/// Wire sampling settings to the engine's (validated by the HTTP layer).
-pub fn to_params(spec: &SamplingSpec) -> SamplingParams {
-    SamplingParams {
-        temperature: spec.temperature,
-        top_k: spec.top_k.map(|k| k as usize),
-        top_p: spec.top_p,
-        min_p: spec.min_p,
-        presence_penalty: spec.presence_penalty,
-        frequency_penalty: spec.frequency_penalty,
-        seed: spec.seed,
-        top_logprobs: spec.top_logprobs as usize,
     }
 }

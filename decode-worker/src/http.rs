@@ -22,7 +22,7 @@ use pdserve_protocol::internal::{
 };
 use tokio::sync::mpsc;
 
-use crate::engine::{to_params, Job, Start};
+use crate::engine::{Job, Start};
 use crate::state::{AppState, Pending};
 
 /// Largest generate request body (a prompt of token ids).
@@ -101,7 +101,7 @@ async fn generate(
                 prompt: req.prompt_tokens,
                 sampling: req.sampling,
                 kv,
-                events: tx.clone(),
+                events: tx,
             };
             let mut map = state.pending();
             if map.contains_key(&req.request_id) {
@@ -116,34 +116,23 @@ async fn generate(
                 state.clone(),
                 req.request_id,
                 Duration::from_millis(lease_ms),
-                tx,
             ));
         }
     }
     Ok(stream_events(rx))
 }
 
-/// Releases a remote reservation whose KV has not arrived in time, or whose
-/// client went away while waiting.
-async fn lease(
-    state: Arc<AppState>,
-    id: String,
-    within: Duration,
-    events: mpsc::UnboundedSender<GenerateEvent>,
-) {
-    let expired = tokio::select! {
-        _ = tokio::time::sleep(within) => true,
-        _ = events.closed() => false,
-    };
+/// Releases a remote reservation whose KV has not arrived in time. It holds
+/// no sender of the stream, so a finished stream ends at once.
+async fn lease(state: Arc<AppState>, id: String, within: Duration) {
+    tokio::time::sleep(within).await;
     // Absent: the KV is being ingested or has been admitted; the ingest owns it now.
     if let Some(p) = state.pending().remove(&id) {
-        if expired {
-            tracing::warn!(request_id = %id, "KV lease expired: releasing the reservation");
-            let _ = p.events.send(GenerateEvent::Error(ErrorBody::retryable(
-                "kv_lease_expired",
-                format!("the KV did not arrive within {} ms", within.as_millis()),
-            )));
-        }
+        tracing::warn!(request_id = %id, "KV lease expired: releasing the reservation");
+        let _ = p.events.send(GenerateEvent::Error(ErrorBody::retryable(
+            "kv_lease_expired",
+            format!("the KV did not arrive within {} ms", within.as_millis()),
+        )));
     }
 }
 
@@ -177,7 +166,7 @@ fn validate(state: &AppState, req: &GenerateRequest) -> Result<(), ErrorBody> {
             ),
         ));
     }
-    let params: SamplingParams = to_params(&req.sampling);
+    let params = SamplingParams::from(&req.sampling);
     params
         .validate()
         .map_err(|e| ErrorBody::fatal("invalid_sampling", e.to_string()))

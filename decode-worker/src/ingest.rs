@@ -101,10 +101,7 @@ async fn receive(
                             ),
                         ));
                     }
-                    dtype = match h.dtype {
-                        kvwire::KvDtype::F32 => KvDtype::F32,
-                        kvwire::KvDtype::F16 => KvDtype::F16,
-                    };
+                    dtype = h.dtype.into();
                 }
                 KvEvent::Layers(frame) => {
                     for layer in frame.layer_start..frame.layer_start + frame.layer_count {

@@ -78,14 +78,10 @@ fn kv_stream(w: &Worker, id: &str, p: &[u32], chunk: usize, dtype: KvDtype) -> (
     let pool = pdserve_engine::KvPool::new(w.model.kv_layout(), 4096);
     let mut kv = pool.allocate(p.len()).unwrap();
     let layout = w.model.kv_layout();
-    let wire_dtype = match dtype {
-        KvDtype::F32 => kvwire::KvDtype::F32,
-        KvDtype::F16 => kvwire::KvDtype::F16,
-    };
     let header = KvHeader {
         request_id: id.into(),
         model_fingerprint: w.model.fingerprint(),
-        dtype: wire_dtype,
+        dtype: dtype.into(),
         n_layers: layout.n_layers as u32,
         n_kv_heads: layout.n_kv_heads as u32,
         head_dim: layout.head_dim as u32,

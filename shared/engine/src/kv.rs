@@ -69,6 +69,8 @@ pub enum KvError {
     LayoutMismatch(String),
     #[error("invalid KV import: {0}")]
     BadImport(String),
+    #[error("KV rows out of range: {0}")]
+    OutOfRange(String),
 }
 
 impl KvError {
@@ -79,6 +81,7 @@ impl KvError {
             Self::CapacityExceeded { .. } => "kv_capacity_exceeded",
             Self::LayoutMismatch(_) => "kv_layout_mismatch",
             Self::BadImport(_) => "kv_bad_import",
+            Self::OutOfRange(_) => "kv_out_of_range",
         }
     }
 }
@@ -283,6 +286,30 @@ impl SeqKv {
         for src in [&self.k[layer][..n], &self.v[layer][..n]] {
             write_values(src, dtype, out);
         }
+    }
+
+    /// Appends K then V of tokens `token_start..token_start + tokens` of `layer`
+    /// to `k_out` and `v_out`, including rows written by a forward still in
+    /// progress (to stream a layer as soon as it is computed).
+    pub fn export_rows(
+        &self,
+        layer: usize,
+        dtype: KvDtype,
+        token_start: usize,
+        tokens: usize,
+        k_out: &mut Vec<u8>,
+        v_out: &mut Vec<u8>,
+    ) -> Result<(), KvError> {
+        let row = self.pool.layout.row();
+        let end = token_start + tokens;
+        if layer >= self.k.len() || end > self.layer_len(layer) {
+            return Err(KvError::OutOfRange(format!(
+                "layer {layer} holds no tokens {token_start}..{end}"
+            )));
+        }
+        write_values(&self.k[layer][token_start * row..end * row], dtype, k_out);
+        write_values(&self.v[layer][token_start * row..end * row], dtype, v_out);
+        Ok(())
     }
 
     /// Imports one layer of `tokens` tokens from bytes made by [`export_layer`](Self::export_layer).

@@ -22,6 +22,7 @@ pub mod testing;
 pub mod threads;
 pub mod tokenizer;
 mod weights;
+mod wire;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::ModelConfig;

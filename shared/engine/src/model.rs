@@ -195,7 +195,7 @@ impl Model {
     /// Runs `tokens` (a whole prompt, or the next chunk of one) into `kv` and
     /// returns the logits of the last position.
     pub fn prefill(&self, tokens: &[u32], kv: &mut SeqKv) -> Result<Vec<f32>> {
-        let logits = self.forward(&mut [Segment { kv, tokens }], &mut |_| {})?;
+        let logits = self.forward(&mut [Segment { kv, tokens }], &mut |_, _| {})?;
         Ok(logits.data)
     }
 
@@ -207,17 +207,18 @@ impl Model {
             .zip(&tokens)
             .map(|((kv, _), t)| Segment { kv, tokens: t })
             .collect();
-        self.forward(&mut segs, &mut |_| {})
+        self.forward(&mut segs, &mut |_, _| {})
     }
 
     /// The general forward: appends each segment's tokens to its KV and returns
-    /// the last-position logits of every segment. `on_layer(l)` is called once
-    /// layer `l`'s KV is written for all segments (to stream it while the
-    /// forward goes on). On error, no segment's KV changes.
+    /// the last-position logits of every segment. `on_layer(l, segs)` is
+    /// called once layer `l`'s KV is written for all segments (read it with
+    /// [`SeqKv::export_rows`] to stream it while the forward goes on). On
+    /// error, no segment's KV changes.
     pub fn forward(
         &self,
         segs: &mut [Segment<'_>],
-        on_layer: &mut dyn FnMut(usize),
+        on_layer: &mut dyn FnMut(usize, &[Segment<'_>]),
     ) -> Result<Logits> {
         let rows = self.plan(segs)?;
         let result = self.run_layers(segs, &rows, on_layer);
@@ -278,14 +279,14 @@ impl Model {
         &self,
         segs: &mut [Segment<'_>],
         rows: &[(usize, usize)],
-        on_layer: &mut dyn FnMut(usize),
+        on_layer: &mut dyn FnMut(usize, &[Segment<'_>]),
     ) -> Result<Vec<f32>> {
         let tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let mut x = self.clock.time(Stage::Embed, || self.embed(&tokens))?;
         for (l, layer) in self.layers.iter().enumerate() {
             self.attention_block(l, layer, &mut x, segs, rows)?;
             self.ffn_block(layer, &mut x)?;
-            on_layer(l);
+            on_layer(l, segs);
         }
         Ok(x)
     }

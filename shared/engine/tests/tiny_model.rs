@@ -158,7 +158,7 @@ fn mixed_batch_of_prefill_chunks_and_decode_rows() {
                     tokens: &b,
                 },
             ],
-            &mut |_| {},
+            &mut |_, _| {},
         )
         .unwrap();
     let mut ka2 = pool.allocate(20).unwrap();
@@ -183,7 +183,10 @@ fn layer_callback_sees_each_layer_written() {
             kv: &mut kv,
             tokens: &p,
         }],
-        &mut |l| seen.push(l),
+        &mut |l, segs| {
+            assert_eq!(segs[0].kv.layer_len(l), 9);
+            seen.push(l)
+        },
     )
     .unwrap();
     assert_eq!(seen, [0, 1, 2]);

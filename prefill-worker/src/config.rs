@@ -1,0 +1,53 @@
+//! Command-line flags (each with an environment variable).
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use pdserve_engine::{KvDtype, WeightFormat};
+use pdserve_runtime::telemetry::TelemetryArgs;
+
+/// pdserve prefill worker.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "pdserve-prefill", version, about)]
+pub struct Args {
+    /// Address to listen on.
+    #[arg(long, env = "PDSERVE_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, env = "PDSERVE_PREFILL_PORT", default_value_t = 8100)]
+    pub port: u16,
+    /// GGUF model file.
+    #[arg(long, env = "PDSERVE_MODEL")]
+    pub model: PathBuf,
+    /// Weight format: q8_0, f32 or native. Must match the decode workers'.
+    #[arg(long, env = "PDSERVE_WEIGHTS", default_value = "q8_0")]
+    pub weights: WeightFormat,
+    /// Device: cpu, or cuda[:N] in a CUDA build.
+    #[arg(long, env = "PDSERVE_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Threads for the model (0 = one per core).
+    #[arg(long, env = "PDSERVE_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// Prompt tokens per forward pass; longer prompts run in chunks.
+    #[arg(long, env = "PDSERVE_PREFILL_CHUNK_TOKENS", default_value_t = 512)]
+    pub prefill_chunk_tokens: usize,
+    /// Jobs that may wait before new ones are refused.
+    #[arg(long, env = "PDSERVE_MAX_QUEUE", default_value_t = 64)]
+    pub max_queue: usize,
+    /// KV element type on the wire: f32 (exact) or f16 (half the bytes).
+    #[arg(long, env = "PDSERVE_KV_DTYPE", default_value = "f32", value_parser = parse_dtype)]
+    pub kv_dtype: KvDtype,
+    /// Seconds to let queued and running jobs finish after SIGTERM.
+    #[arg(long, env = "PDSERVE_DRAIN_SECONDS", default_value_t = 30)]
+    pub drain_seconds: u64,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+}
+
+fn parse_dtype(s: &str) -> Result<KvDtype, String> {
+    match s {
+        "f32" => Ok(KvDtype::F32),
+        "f16" => Ok(KvDtype::F16),
+        other => Err(format!("unknown KV dtype `{other}` (expected f32 or f16)")),
+    }
+}

@@ -1,0 +1,271 @@
+//! HTTP handlers: prefill jobs (and their cancellation), health, readiness,
+//! load and metrics.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use futures_util::StreamExt;
+use pdserve_engine::sampler::SamplingParams;
+use pdserve_engine::Model;
+use pdserve_protocol::internal::{
+    validate_request_id, ErrorBody, ErrorClass, LoadReport, PrefillJob, PrefillResult,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::{Computed, EngineHandle, Task};
+use crate::metrics::PrefillMetrics;
+
+/// Everything the handlers share.
+pub struct AppState {
+    pub model: Arc<Model>,
+    pub engine: EngineHandle,
+    pub metrics: Arc<PrefillMetrics>,
+    pub client: reqwest::Client,
+    /// Cancellation tokens of jobs queued or running, by request id.
+    pub jobs: Mutex<HashMap<String, CancellationToken>>,
+    pub ready: AtomicBool,
+}
+
+impl AppState {
+    fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+pub fn routes(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/internal/prefill", post(prefill))
+        .route("/v1/internal/prefill/{request_id}", delete(cancel))
+        .route("/health", get(|| async { "ok" }))
+        .route("/ready", get(ready))
+        .route("/load", get(load))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+/// An [`ErrorBody`] as an HTTP response: fatal → 400, retryable → 503 with `Retry-After`.
+pub struct ApiError(pub ErrorBody);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = match self.0.class {
+            ErrorClass::Fatal => StatusCode::BAD_REQUEST,
+            ErrorClass::Retryable => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        let mut resp = (status, Json(self.0)).into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+/// Cancels the job when the handler ends for any reason, including the
+/// router dropping the request; the engine stops at the next chunk.
+struct JobGuard {
+    state: Arc<AppState>,
+    id: String,
+    cancel: CancellationToken,
+}
+
+impl Drop for JobGuard {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+        self.state.jobs().remove(&self.id);
+    }
+}
+
+async fn prefill(
+    State(state): State<Arc<AppState>>,
+    body: Result<Json<PrefillJob>, JsonRejection>,
+) -> Result<Json<PrefillResult>, ApiError> {
+    let Json(job) = body.map_err(|e| ApiError(ErrorBody::fatal("invalid_json", e.body_text())))?;
+    if !state.ready.load(Ordering::Relaxed) {
+        return Err(ApiError(ErrorBody::retryable(
+            "not_ready",
+            "the worker is not ready or is draining",
+        )));
+    }
+    validate(&state.model, &job).map_err(ApiError)?;
+    let cancel = CancellationToken::new();
+    {
+        let mut jobs = state.jobs();
+        if jobs.contains_key(&job.request_id) {
+            return Err(ApiError(ErrorBody::fatal(
+                "duplicate_request_id",
+                "a job with this id is in progress",
+            )));
+        }
+        jobs.insert(job.request_id.clone(), cancel.clone());
+    }
+    let _guard = JobGuard {
+        state: state.clone(),
+        id: job.request_id.clone(),
+        cancel: cancel.clone(),
+    };
+    let (frames_tx, frames_rx) = mpsc::channel::<Bytes>(16);
+    let (reply_tx, reply_rx) = oneshot::channel();
+    let deadline = Duration::from_millis(job.deadline_ms.max(1));
+    let (id, tokens, url) = (
+        job.request_id.clone(),
+        job.prompt_tokens.len() as u32,
+        job.kv_destination.clone(),
+    );
+    let task = Task {
+        job,
+        enqueued: Instant::now(),
+        cancel,
+        frames: frames_tx,
+        reply: reply_tx,
+    };
+    state.engine.submit(task).map_err(ApiError)?;
+    let work = async {
+        let upload_started = Instant::now();
+        let (computed, uploaded) = tokio::join!(reply_rx, upload(&state.client, &url, frames_rx));
+        let computed = computed
+            .map_err(|_| ErrorBody::retryable("engine_stopped", "the prefill engine stopped"))??;
+        uploaded?;
+        state
+            .metrics
+            .kv_transfer_seconds
+            .observe(upload_started.elapsed().as_secs_f64());
+        Ok::<Computed, ErrorBody>(computed)
+    };
+    let result = match tokio::time::timeout(deadline, work).await {
+        Ok(r) => r,
+        Err(_) => Err(ErrorBody::retryable(
+            "deadline_exceeded",
+            format!("KV not delivered within {} ms", deadline.as_millis()),
+        )),
+    };
+    let status = if result.is_ok() { "ok" } else { "error" };
+    state.metrics.requests.with_label_values(&[status]).inc();
+    let c = result.map_err(|e| {
+        tracing::warn!(request_id = %id, "prefill failed: {e}");
+        ApiError(e)
+    })?;
+    Ok(Json(PrefillResult {
+        request_id: id,
+        prompt_tokens: tokens,
+        first_token: c.first_token,
+        queue_seconds: c.queue_seconds,
+        compute_seconds: c.compute_seconds,
+        transfer_bytes: c.bytes,
+    }))
+}
+
+/// Streams the frames to the decode worker's ingest URL.
+async fn upload(
+    client: &reqwest::Client,
+    url: &str,
+    mut frames: mpsc::Receiver<Bytes>,
+) -> Result<(), ErrorBody> {
+    let stream =
+        futures_util::stream::poll_fn(move |cx| frames.poll_recv(cx)).map(Ok::<_, std::io::Error>);
+    let resp = client
+        .post(url)
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .body(reqwest::Body::wrap_stream(stream))
+        .send()
+        .await
+        .map_err(|e| {
+            ErrorBody::retryable("kv_upload_failed", format!("sending KV to {url}: {e}"))
+        })?;
+    if resp.status().is_success() {
+        return Ok(());
+    }
+    let status = resp.status();
+    match resp.json::<ErrorBody>().await {
+        Ok(body) => Err(body),
+        Err(_) => Err(ErrorBody::retryable(
+            "kv_upload_failed",
+            format!("the decode worker answered {status}"),
+        )),
+    }
+}
+
+fn validate(model: &Model, job: &PrefillJob) -> Result<(), ErrorBody> {
+    validate_request_id(&job.request_id)?;
+    let cfg = model.config();
+    let bad = |m: String| Err(ErrorBody::fatal("invalid_request", m));
+    if job.prompt_tokens.is_empty() {
+        return bad("the prompt is empty".into());
+    }
+    if let Some(t) = job
+        .prompt_tokens
+        .iter()
+        .find(|&&t| t as usize >= cfg.vocab_size)
+    {
+        return bad(format!(
+            "token id {t} is outside the vocabulary of {}",
+            cfg.vocab_size
+        ));
+    }
+    if job.prompt_tokens.len() > cfg.context_length {
+        return Err(ErrorBody::fatal(
+            "context_length_exceeded",
+            format!(
+                "the prompt has {} tokens; the context window is {}",
+                job.prompt_tokens.len(),
+                cfg.context_length
+            ),
+        ));
+    }
+    if !(job.kv_destination.starts_with("http://") || job.kv_destination.starts_with("https://")) {
+        return bad(format!(
+            "kv_destination `{}` is not an http(s) URL",
+            job.kv_destination
+        ));
+    }
+    SamplingParams::from(&job.sampling)
+        .validate()
+        .map_err(|e| ErrorBody::fatal("invalid_sampling", e.to_string()))
+}
+
+async fn cancel(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> StatusCode {
+    match state.jobs().get(&id) {
+        Some(token) => {
+            token.cancel();
+            StatusCode::OK
+        }
+        None => StatusCode::NOT_FOUND,
+    }
+}
+
+async fn ready(State(state): State<Arc<AppState>>) -> StatusCode {
+    match state.ready.load(Ordering::Relaxed) {
+        true => StatusCode::OK,
+        false => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+async fn load(State(state): State<Arc<AppState>>) -> Json<LoadReport> {
+    let s = &state.engine.stats;
+    Json(LoadReport {
+        queued_requests: s.queued.load(Ordering::Relaxed),
+        queued_tokens: s.queued_tokens.load(Ordering::Relaxed),
+        active_sequences: s.running.load(Ordering::Relaxed),
+        kv_used_tokens: 0,
+        kv_free_tokens: 0,
+        tokens_per_second: f64::from_bits(s.tokens_per_second.load(Ordering::Relaxed)),
+        ready: state.ready.load(Ordering::Relaxed),
+    })
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        pdserve_runtime::metrics::render(&state.metrics.registry),
+    )
+}

@@ -1,0 +1,42 @@
+//! The pdserve prefill worker: runs prompts through the model, in chunks,
+//! and streams their KV layer by layer to the decode worker named in each
+//! job, with the first sampled token at the end.
+
+pub mod config;
+pub mod engine;
+pub mod http;
+pub mod metrics;
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use pdserve_engine::Model;
+
+pub use config::Args;
+use engine::{EngineConfig, EngineHandle};
+use http::AppState;
+use metrics::PrefillMetrics;
+
+/// Builds the worker's state around a loaded model. The worker starts ready.
+pub fn build_state(model: Arc<Model>, args: &Args) -> Arc<AppState> {
+    let metrics = Arc::new(PrefillMetrics::new());
+    let cfg = EngineConfig {
+        chunk_tokens: args.prefill_chunk_tokens,
+        queue_capacity: args.max_queue,
+        kv_dtype: args.kv_dtype,
+    };
+    let engine = EngineHandle::spawn(model.clone(), cfg, metrics.clone());
+    Arc::new(AppState {
+        model,
+        engine,
+        metrics,
+        client: reqwest::Client::new(),
+        jobs: Default::default(),
+        ready: AtomicBool::new(true),
+    })
+}
+
+/// The axum application.
+pub fn build_app(state: Arc<AppState>) -> axum::Router {
+    http::routes(state)
+}

@@ -1,0 +1,60 @@
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use pdserve_engine::{LoadOptions, Model};
+use pdserve_prefill::http::AppState;
+use pdserve_prefill::{build_app, build_state, Args};
+use tokio_util::sync::CancellationToken;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    pdserve_runtime::telemetry::init(&args.telemetry);
+    let threads = pdserve_engine::threads::configure(args.threads);
+    tracing::info!(?args, threads, "starting the prefill worker");
+    let device = pdserve_engine::device::parse_device(&args.device)?;
+    let opts = LoadOptions {
+        weights: args.weights,
+        device,
+    };
+    let path = args.model.clone();
+    let started = Instant::now();
+    let model = tokio::task::spawn_blocking(move || Model::load(&path, &opts)).await??;
+    tracing::info!(
+        secs = started.elapsed().as_secs_f64(),
+        fingerprint = model.fingerprint(),
+        "model loaded"
+    );
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    tracing::info!(addr = %listener.local_addr()?, "listening");
+    let state = build_state(Arc::new(model), &args);
+    let shutdown = CancellationToken::new();
+    pdserve_runtime::shutdown::cancel_on_signal(shutdown.clone());
+    let drain = drain(
+        state.clone(),
+        shutdown,
+        Duration::from_secs(args.drain_seconds),
+    );
+    axum::serve(listener, build_app(state))
+        .with_graceful_shutdown(drain)
+        .await?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// On shutdown: refuse new jobs, let queued and running ones deliver their KV
+/// (bounded by `deadline`), then let the server close.
+async fn drain(state: Arc<AppState>, token: CancellationToken, deadline: Duration) {
+    token.cancelled().await;
+    state.ready.store(false, Ordering::Relaxed);
+    let until = Instant::now() + deadline;
+    while Instant::now() < until && state.engine.in_flight() > 0 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tracing::info!("drained");
+}

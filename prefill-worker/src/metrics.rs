@@ -1,0 +1,63 @@
+//! The prefill worker's Prometheus metrics.
+
+use pdserve_runtime::metrics::{self as m};
+use prometheus::{Histogram, IntCounter, IntCounterVec, IntGaugeVec, Registry};
+
+/// Every series the prefill worker exports.
+pub struct PrefillMetrics {
+    pub registry: Registry,
+    pub queue_depth: IntGaugeVec,
+    pub queue_depth_tokens: IntGaugeVec,
+    pub prefill_seconds: Histogram,
+    pub prompt_tokens: IntCounter,
+    pub kv_transfer_bytes: IntCounter,
+    pub kv_transfer_seconds: Histogram,
+    pub requests: IntCounterVec,
+}
+
+impl PrefillMetrics {
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let pool = &["pool"];
+        Self {
+            queue_depth: m::int_gauge_vec(&r, m::QUEUE_DEPTH, "Prefill jobs waiting.", pool),
+            queue_depth_tokens: m::int_gauge_vec(
+                &r,
+                m::QUEUE_DEPTH_TOKENS,
+                "Prompt tokens waiting.",
+                pool,
+            ),
+            prefill_seconds: m::histogram(
+                &r,
+                m::PREFILL_SECONDS,
+                "Compute time of one prompt.",
+                m::REQUEST_BUCKETS,
+            ),
+            prompt_tokens: m::counter(&r, m::PROMPT_TOKENS_TOTAL, "Prompt tokens prefilled."),
+            kv_transfer_bytes: m::counter(
+                &r,
+                m::KV_TRANSFER_BYTES_TOTAL,
+                "KV bytes sent to decode workers.",
+            ),
+            kv_transfer_seconds: m::histogram(
+                &r,
+                m::KV_TRANSFER_SECONDS,
+                "From the first KV byte sent to the decode worker's acknowledgement.",
+                m::STEP_BUCKETS,
+            ),
+            requests: m::counter_vec(
+                &r,
+                m::REQUESTS_TOTAL,
+                "Prefill jobs finished, by status.",
+                &["status"],
+            ),
+            registry: r,
+        }
+    }
+}
+
+impl Default for PrefillMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

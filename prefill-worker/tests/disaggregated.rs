@@ -1,0 +1,244 @@
+//! A prefill worker and a decode worker on the tiny model, talking over
+//! loopback exactly as in a cluster.
+
+use std::sync::Arc;
+
+use clap::Parser;
+use pdserve_engine::testing::{write_tiny_gguf, TinyModelSpec};
+use pdserve_engine::{LoadOptions, Model, WeightFormat};
+use pdserve_protocol::internal::{
+    ErrorBody, GenerateEvent, GenerateRequest, KvSource, PrefillJob, PrefillResult, SamplingSpec,
+};
+
+struct Cluster {
+    prefill: String,
+    decode: String,
+    _dir: tempfile::TempDir,
+}
+
+async fn serve(app: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
+async fn cluster(prefill_args: &[&str]) -> Cluster {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &TinyModelSpec::default()).unwrap();
+    let model_path = path.to_str().unwrap();
+    let opts = LoadOptions {
+        weights: WeightFormat::Q8_0,
+        ..Default::default()
+    };
+    let model = Arc::new(Model::load(&path, &opts).unwrap());
+    // The decode worker.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let decode = format!("http://{}", listener.local_addr().unwrap());
+    let dargs = pdserve_decode::Args::parse_from(["d", "--model", model_path]);
+    let dstate = pdserve_decode::build_state(model.clone(), 2, &dargs, decode.clone());
+    let app = pdserve_decode::build_app(dstate);
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    // The prefill worker, with its own copy of the model.
+    let mut argv = vec!["p", "--model", model_path];
+    argv.extend_from_slice(prefill_args);
+    let pargs = pdserve_prefill::Args::parse_from(argv);
+    let pmodel = Arc::new(Model::load(&path, &opts).unwrap());
+    let prefill = serve(pdserve_prefill::build_app(pdserve_prefill::build_state(
+        pmodel, &pargs,
+    )))
+    .await;
+    Cluster {
+        prefill,
+        decode,
+        _dir: dir,
+    }
+}
+
+fn prompt(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| 3 + (i * 31 + 7) % 250).collect()
+}
+
+fn sampling(max_tokens: u32) -> SamplingSpec {
+    SamplingSpec {
+        temperature: 0.8,
+        seed: 42,
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// Runs a generate stream to the end; returns its token ids and last event.
+async fn run_stream(resp: reqwest::Response) -> (Vec<u32>, GenerateEvent) {
+    let text = resp.text().await.unwrap();
+    let events: Vec<GenerateEvent> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let tokens = events
+        .iter()
+        .filter_map(|e| match e {
+            GenerateEvent::Token { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    (tokens, events.last().unwrap().clone())
+}
+
+async fn generate(c: &Cluster, id: &str, p: Vec<u32>, source: KvSource) -> reqwest::Response {
+    let req = GenerateRequest {
+        request_id: id.into(),
+        prompt_tokens: p,
+        sampling: sampling(12),
+        kv_source: source,
+    };
+    reqwest::Client::new()
+        .post(format!("{}/v1/internal/generate", c.decode))
+        .json(&req)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// Reads the `Reserved` line without consuming the rest of the stream.
+async fn reserved_url(resp: &mut reqwest::Response) -> (String, Vec<u8>) {
+    let mut buf = Vec::new();
+    while !buf.contains(&b'\n') {
+        buf.extend_from_slice(&resp.chunk().await.unwrap().unwrap());
+    }
+    let i = buf.iter().position(|&b| b == b'\n').unwrap();
+    let GenerateEvent::Reserved { kv_url: Some(url) } = serde_json::from_slice(&buf[..i]).unwrap()
+    else {
+        panic!("no KV URL")
+    };
+    (url, buf[i + 1..].to_vec())
+}
+
+async fn prefill(c: &Cluster, id: &str, p: Vec<u32>, url: &str) -> reqwest::Response {
+    let job = PrefillJob {
+        request_id: id.into(),
+        prompt_tokens: p,
+        sampling: sampling(12),
+        kv_destination: url.into(),
+        deadline_ms: 10_000,
+    };
+    reqwest::Client::new()
+        .post(format!("{}/v1/internal/prefill", c.prefill))
+        .json(&job)
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_gives_exactly_the_aggregated_tokens() {
+    // Chunks of 7 on the prefill side, one chunk on the decode side: the same KV either way.
+    let c = cluster(&["--prefill-chunk-tokens", "7"]).await;
+    let p = prompt(30);
+    let (local, _) = run_stream(generate(&c, "agg", p.clone(), KvSource::Local).await).await;
+    let mut resp = generate(&c, "dis", p.clone(), KvSource::Remote { lease_ms: 10_000 }).await;
+    let (url, rest) = reserved_url(&mut resp).await;
+    let done = prefill(&c, "dis", p.clone(), &url).await;
+    assert_eq!(done.status(), 200);
+    let result: PrefillResult = done.json().await.unwrap();
+    assert_eq!((result.prompt_tokens, result.first_token), (30, local[0]));
+    assert!(
+        result.transfer_bytes > 30 * 2 * 2 * 32 * 4,
+        "all layers' KV was sent"
+    );
+    let text = String::from_utf8(rest).unwrap() + &resp.text().await.unwrap();
+    let remote: Vec<u32> = text
+        .lines()
+        .filter_map(|l| match serde_json::from_str(l).unwrap() {
+            GenerateEvent::Token { id, .. } => Some(id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        remote, local,
+        "sampled with the same seed, position by position"
+    );
+    let metrics = reqwest::get(format!("{}/metrics", c.prefill))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("pdserve_prompt_tokens_total 30"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f16_kv_transfer_completes() {
+    let c = cluster(&["--kv-dtype", "f16"]).await;
+    let mut resp = generate(
+        &c,
+        "half",
+        prompt(11),
+        KvSource::Remote { lease_ms: 10_000 },
+    )
+    .await;
+    let (url, rest) = reserved_url(&mut resp).await;
+    assert!(
+        rest.is_empty(),
+        "nothing but the reservation before the KV arrives"
+    );
+    assert_eq!(prefill(&c, "half", prompt(11), &url).await.status(), 200);
+    let (tokens, last) = run_stream(resp).await;
+    assert_eq!(tokens.len(), 12);
+    assert!(
+        matches!(
+            last,
+            GenerateEvent::Finished {
+                completion_tokens: 12,
+                ..
+            }
+        ),
+        "{last:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_decode_worker_is_a_retryable_error() {
+    let c = cluster(&[]).await;
+    let resp = prefill(
+        &c,
+        "lost",
+        prompt(5),
+        "http://127.0.0.1:9/v1/internal/kv/lost",
+    )
+    .await;
+    assert_eq!(resp.status(), 503);
+    let e: ErrorBody = resp.json().await.unwrap();
+    assert_eq!(e.kind, "kv_upload_failed", "{e:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_jobs_are_fatal_errors() {
+    let c = cluster(&[]).await;
+    for (p, url, kind) in [
+        (vec![], "http://127.0.0.1:1/x", "invalid_request"),
+        (vec![3, 50_000], "http://127.0.0.1:1/x", "invalid_request"),
+        (
+            prompt(600),
+            "http://127.0.0.1:1/x",
+            "context_length_exceeded",
+        ),
+        (prompt(3), "ftp://nowhere", "invalid_request"),
+    ] {
+        let resp = prefill(&c, "bad", p, url).await;
+        assert_eq!(resp.status(), 400);
+        let e: ErrorBody = resp.json().await.unwrap();
+        assert_eq!(e.kind, kind);
+    }
+    let resp = reqwest::Client::new()
+        .delete(format!("{}/v1/internal/prefill/nope", c.prefill))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+}
