@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use pdserve_engine::WeightFormat;
+use pdserve_runtime::registration::RegistrationArgs;
 use pdserve_runtime::telemetry::TelemetryArgs;
 
 /// pdserve decode worker.
@@ -46,6 +47,8 @@ pub struct Args {
     /// Seconds to let in-flight sequences finish after SIGTERM.
     #[arg(long, env = "PDSERVE_DRAIN_SECONDS", default_value_t = 30)]
     pub drain_seconds: u64,
+    #[command(flatten)]
+    pub registration: RegistrationArgs,
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }

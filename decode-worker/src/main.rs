@@ -6,6 +6,8 @@ use anyhow::Context;
 use clap::Parser;
 use pdserve_decode::{build_app, build_state, Args};
 use pdserve_engine::{LoadOptions, Model, Tokenizer};
+use pdserve_protocol::internal::{Pool, WorkerRegistration};
+use pdserve_runtime::registration;
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
@@ -36,9 +38,21 @@ async fn main() -> anyhow::Result<()> {
         .public_url
         .clone()
         .unwrap_or_else(|| format!("http://{addr}"));
+    let registration = WorkerRegistration {
+        pool: Pool::Decode,
+        url: public_url.clone(),
+        model_fingerprint: model.fingerprint(),
+        weights: args.weights.to_string(),
+    };
     let state = build_state(Arc::new(model), tokenizer.eos_token_id(), &args, public_url);
     let shutdown = CancellationToken::new();
     pdserve_runtime::shutdown::cancel_on_signal(shutdown.clone());
+    if let Some(router) = args.registration.router_url.clone() {
+        let s = state.clone();
+        let load = Arc::new(move || pdserve_decode::http::load_report(&s));
+        let every = Duration::from_millis(args.registration.heartbeat_ms);
+        registration::spawn(router, registration, every, load, shutdown.clone());
+    }
     tracing::info!(%addr, "listening");
     let drain = drain(
         state.clone(),

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use pdserve_engine::{KvDtype, WeightFormat};
+use pdserve_runtime::registration::RegistrationArgs;
 use pdserve_runtime::telemetry::TelemetryArgs;
 
 /// pdserve prefill worker.
@@ -16,6 +17,9 @@ pub struct Args {
     /// Port to listen on (0 picks a free one).
     #[arg(long, env = "PDSERVE_PREFILL_PORT", default_value_t = 8100)]
     pub port: u16,
+    /// Base URL at which the router reaches this worker (default: http://HOST:PORT).
+    #[arg(long, env = "PDSERVE_PUBLIC_URL")]
+    pub public_url: Option<String>,
     /// GGUF model file.
     #[arg(long, env = "PDSERVE_MODEL")]
     pub model: PathBuf,
@@ -40,6 +44,8 @@ pub struct Args {
     /// Seconds to let queued and running jobs finish after SIGTERM.
     #[arg(long, env = "PDSERVE_DRAIN_SECONDS", default_value_t = 30)]
     pub drain_seconds: u64,
+    #[command(flatten)]
+    pub registration: RegistrationArgs,
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }

@@ -251,8 +251,13 @@ async fn ready(State(state): State<Arc<AppState>>) -> StatusCode {
 }
 
 async fn load(State(state): State<Arc<AppState>>) -> Json<LoadReport> {
+    Json(load_report(&state))
+}
+
+/// The load report the router balances and scales on.
+pub fn load_report(state: &AppState) -> LoadReport {
     let s = &state.engine.stats;
-    Json(LoadReport {
+    LoadReport {
         queued_requests: s.queued.load(Ordering::Relaxed),
         queued_tokens: s.queued_tokens.load(Ordering::Relaxed),
         active_sequences: s.running.load(Ordering::Relaxed),
@@ -260,7 +265,7 @@ async fn load(State(state): State<Arc<AppState>>) -> Json<LoadReport> {
         kv_free_tokens: 0,
         tokens_per_second: f64::from_bits(s.tokens_per_second.load(Ordering::Relaxed)),
         ready: state.ready.load(Ordering::Relaxed),
-    })
+    }
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {

@@ -7,6 +7,8 @@ use clap::Parser;
 use pdserve_engine::{LoadOptions, Model};
 use pdserve_prefill::http::AppState;
 use pdserve_prefill::{build_app, build_state, Args};
+use pdserve_protocol::internal::{Pool, WorkerRegistration};
+use pdserve_runtime::registration;
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
@@ -31,10 +33,26 @@ async fn main() -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
-    tracing::info!(addr = %listener.local_addr()?, "listening");
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, "listening");
+    let registration = WorkerRegistration {
+        pool: Pool::Prefill,
+        url: args
+            .public_url
+            .clone()
+            .unwrap_or_else(|| format!("http://{addr}")),
+        model_fingerprint: model.fingerprint(),
+        weights: args.weights.to_string(),
+    };
     let state = build_state(Arc::new(model), &args);
     let shutdown = CancellationToken::new();
     pdserve_runtime::shutdown::cancel_on_signal(shutdown.clone());
+    if let Some(router) = args.registration.router_url.clone() {
+        let s = state.clone();
+        let load = Arc::new(move || pdserve_prefill::http::load_report(&s));
+        let every = Duration::from_millis(args.registration.heartbeat_ms);
+        registration::spawn(router, registration, every, load, shutdown.clone());
+    }
     let drain = drain(
         state.clone(),
         shutdown,

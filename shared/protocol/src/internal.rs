@@ -187,6 +187,39 @@ pub struct LoadReport {
     pub ready: bool,
 }
 
+/// The two worker pools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pool {
+    Prefill,
+    Decode,
+}
+
+/// `POST /v1/internal/workers/register` on the router, from a starting worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerRegistration {
+    pub pool: Pool,
+    /// The worker's base URL as the router and peers reach it.
+    pub url: String,
+    /// Workers exchange KV only when their fingerprints match.
+    pub model_fingerprint: u64,
+    /// `q8_0`, `f32` or `native`.
+    pub weights: String,
+}
+
+/// `POST /v1/internal/workers/heartbeat` on the router, every few hundred ms.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub url: String,
+    pub load: LoadReport,
+}
+
+/// `POST /v1/internal/workers/deregister` on the router, when a worker drains.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deregistration {
+    pub url: String,
+}
+
 /// Checks a request id: 1..=128 printable ASCII characters.
 pub fn validate_request_id(id: &str) -> Result<(), ErrorBody> {
     let ok = !id.is_empty()

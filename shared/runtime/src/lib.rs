@@ -2,5 +2,6 @@
 //! graceful shutdown.
 
 pub mod metrics;
+pub mod registration;
 pub mod shutdown;
 pub mod telemetry;

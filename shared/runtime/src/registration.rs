@@ -1,0 +1,176 @@
+//! A worker's side of discovery: register with the router, heartbeat the
+//! load report, deregister when draining. The router may be down or slow;
+//! the worker keeps serving and keeps trying.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use pdserve_protocol::internal::{Deregistration, Heartbeat, LoadReport, WorkerRegistration};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+/// Registration flags, flattened into each worker's arguments.
+#[derive(Args, Debug, Clone)]
+pub struct RegistrationArgs {
+    /// The router to register with and heartbeat to (none: the router must be
+    /// told about this worker by its static list or DNS).
+    #[arg(long, env = "PDSERVE_ROUTER_URL")]
+    pub router_url: Option<String>,
+    /// Milliseconds between heartbeats.
+    #[arg(long, env = "PDSERVE_HEARTBEAT_MS", default_value_t = 500)]
+    pub heartbeat_ms: u64,
+}
+
+/// Registers, then heartbeats `load()` until `stop` is cancelled, then deregisters.
+pub fn spawn(
+    router_url: String,
+    registration: WorkerRegistration,
+    every: Duration,
+    load: Arc<dyn Fn() -> LoadReport + Send + Sync>,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(2))
+            .build()
+            .unwrap_or_default();
+        let base = router_url.trim_end_matches('/').to_string();
+        let url = registration.url.clone();
+        let mut registered = false;
+        let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
+        loop {
+            tokio::select! {
+                biased;
+                _ = stop.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            if !registered {
+                registered = post(&client, &base, "register", &registration).await;
+                continue;
+            }
+            let beat = Heartbeat {
+                url: url.clone(),
+                load: load(),
+            };
+            // A heartbeat the router does not know (it restarted) re-registers.
+            registered = post(&client, &base, "heartbeat", &beat).await;
+        }
+        post(&client, &base, "deregister", &Deregistration { url }).await;
+    })
+}
+
+async fn post<T: Serialize>(client: &reqwest::Client, base: &str, what: &str, body: &T) -> bool {
+    let url = format!("{base}/v1/internal/workers/{what}");
+    match client.post(&url).json(body).send().await {
+        Ok(r) if r.status().is_success() => true,
+        Ok(r) => {
+            tracing::warn!(%url, status = %r.status(), "the router refused the {what}");
+            false
+        }
+        Err(e) => {
+            tracing::debug!(%url, "the router is unreachable: {e}");
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use axum::routing::post;
+    use axum::Router;
+    use pdserve_protocol::internal::Pool;
+
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn registers_heartbeats_and_deregisters() {
+        let seen: Arc<Mutex<Vec<(String, serde_json::Value)>>> = Arc::default();
+        let record = |what: &'static str, seen: Arc<Mutex<Vec<(String, serde_json::Value)>>>| {
+            post(
+                move |axum::Json(v): axum::Json<serde_json::Value>| async move {
+                    seen.lock().unwrap().push((what.to_string(), v));
+                },
+            )
+        };
+        let app = Router::new()
+            .route(
+                "/v1/internal/workers/register",
+                record("register", seen.clone()),
+            )
+            .route(
+                "/v1/internal/workers/heartbeat",
+                record("heartbeat", seen.clone()),
+            )
+            .route(
+                "/v1/internal/workers/deregister",
+                record("deregister", seen.clone()),
+            );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let router = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let reg = WorkerRegistration {
+            pool: Pool::Decode,
+            url: "http://127.0.0.1:1".into(),
+            model_fingerprint: 7,
+            weights: "q8_0".into(),
+        };
+        let load = Arc::new(|| LoadReport {
+            queued_requests: 3,
+            ready: true,
+            ..Default::default()
+        });
+        let stop = CancellationToken::new();
+        let task = spawn(router, reg, Duration::from_millis(20), load, stop.clone());
+        for _ in 0..200 {
+            if seen
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(w, _)| w == "heartbeat")
+                .count()
+                >= 2
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        stop.cancel();
+        task.await.unwrap();
+        let seen = seen.lock().unwrap();
+        let kinds: Vec<&str> = seen.iter().map(|(w, _)| w.as_str()).collect();
+        assert_eq!(kinds.first(), Some(&"register"));
+        assert_eq!(kinds.last(), Some(&"deregister"));
+        assert!(
+            kinds.iter().filter(|k| **k == "heartbeat").count() >= 2,
+            "{kinds:?}"
+        );
+        assert_eq!(seen[0].1["pool"], "decode");
+        let beat = &seen.iter().find(|(w, _)| w == "heartbeat").unwrap().1;
+        assert_eq!(beat["load"]["queued_requests"], 3);
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_router_does_not_stop_the_worker() {
+        let reg = WorkerRegistration {
+            pool: Pool::Prefill,
+            url: "http://127.0.0.1:1".into(),
+            model_fingerprint: 1,
+            weights: "q8_0".into(),
+        };
+        let stop = CancellationToken::new();
+        let load = Arc::new(LoadReport::default);
+        let task = spawn(
+            "http://127.0.0.1:9".into(),
+            reg,
+            Duration::from_millis(10),
+            load,
+            stop.clone(),
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        stop.cancel();
+        task.await.unwrap();
+    }
+}
