@@ -16,6 +16,7 @@ use pdserve_engine::sampler::{sample, Sampled, SamplingParams, TokenCounts};
 use pdserve_engine::{Model, SeqKv};
 use pdserve_protocol::internal::{ErrorBody, FinishReason, GenerateEvent, SamplingSpec};
 use pdserve_runtime::metrics::labels;
+use pdserve_runtime::queue::{try_submit, QueueGauge};
 use tokio::sync::mpsc;
 
 use crate::metrics::DecodeMetrics;
@@ -61,8 +62,7 @@ pub struct Job {
 /// Counters the HTTP side reads for `/load`.
 #[derive(Debug, Default)]
 pub struct EngineStats {
-    pub queued: AtomicU64,
-    pub queued_tokens: AtomicU64,
+    pub queue: QueueGauge,
     pub active: AtomicU64,
     /// Generated tokens per second over the last step, as f64 bits.
     pub tokens_per_second: AtomicU64,
@@ -104,28 +104,12 @@ impl EngineHandle {
     /// Queues a sequence; a full queue or a stopped engine is a retryable error.
     pub fn submit(&self, job: Job) -> Result<(), ErrorBody> {
         let tokens = job.prompt.len() as u64;
-        match self.tx.try_send(job) {
-            Ok(()) => {
-                self.stats.queued.fetch_add(1, Ordering::Relaxed);
-                self.stats
-                    .queued_tokens
-                    .fetch_add(tokens, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(mpsc::error::TrySendError::Full(_)) => Err(ErrorBody::retryable(
-                "overloaded",
-                "the decode queue is full",
-            )),
-            Err(mpsc::error::TrySendError::Closed(_)) => Err(ErrorBody::retryable(
-                "engine_stopped",
-                "the decode engine has stopped",
-            )),
-        }
+        try_submit(&self.tx, &self.stats.queue, job, tokens)
     }
 
     /// Sequences queued or running.
     pub fn in_flight(&self) -> u64 {
-        self.stats.queued.load(Ordering::Relaxed) + self.stats.active.load(Ordering::Relaxed)
+        self.stats.queue.requests() + self.stats.active.load(Ordering::Relaxed)
     }
 }
 
@@ -188,10 +172,7 @@ impl Scheduler {
     }
 
     fn intake(&mut self, job: Job) {
-        self.stats.queued.fetch_sub(1, Ordering::Relaxed);
-        self.stats
-            .queued_tokens
-            .fetch_sub(job.prompt.len() as u64, Ordering::Relaxed);
+        self.stats.queue.taken(job.prompt.len() as u64);
         let params = SamplingParams::from(&job.sampling);
         let mut seq = Seq {
             id: job.request_id,
@@ -389,7 +370,7 @@ impl Scheduler {
             .iter()
             .map(|s| s.prompt.len() - s.prefilled)
             .sum();
-        let queued = self.stats.queued.load(Ordering::Relaxed) as usize;
+        let queued = self.stats.queue.requests() as usize;
         self.stats.active.store(
             (self.active.len() + self.waiting.len()) as u64,
             Ordering::Relaxed,

@@ -17,9 +17,9 @@ use futures_util::StreamExt;
 use pdserve_engine::sampler::SamplingParams;
 use pdserve_engine::KvError;
 use pdserve_protocol::internal::{
-    validate_request_id, ErrorBody, ErrorClass, GenerateEvent, GenerateRequest, KvSource,
-    LoadReport,
+    validate_request_id, ErrorBody, GenerateEvent, GenerateRequest, KvSource, LoadReport,
 };
+use pdserve_runtime::http::ApiError;
 use tokio::sync::mpsc;
 
 use crate::engine::{Job, Start};
@@ -39,24 +39,6 @@ pub fn routes(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
-}
-
-/// An [`ErrorBody`] as an HTTP response: fatal → 400, retryable → 503 with `Retry-After`.
-pub struct ApiError(pub ErrorBody);
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let status = match self.0.class {
-            ErrorClass::Fatal => StatusCode::BAD_REQUEST,
-            ErrorClass::Retryable => StatusCode::SERVICE_UNAVAILABLE,
-        };
-        let mut resp = (status, Json(self.0)).into_response();
-        if status == StatusCode::SERVICE_UNAVAILABLE {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-        }
-        resp
-    }
 }
 
 async fn generate(
@@ -138,34 +120,18 @@ async fn lease(state: Arc<AppState>, id: String, within: Duration) {
 
 fn validate(state: &AppState, req: &GenerateRequest) -> Result<(), ErrorBody> {
     validate_request_id(&req.request_id)?;
-    let cfg = state.model.config();
-    let bad = |m: String| Err(ErrorBody::fatal("invalid_request", m));
-    if req.prompt_tokens.is_empty() {
-        return bad("the prompt is empty".into());
-    }
-    if let Some(t) = req
-        .prompt_tokens
-        .iter()
-        .find(|&&t| t as usize >= cfg.vocab_size)
-    {
-        return bad(format!(
-            "token id {t} is outside the vocabulary of {}",
-            cfg.vocab_size
-        ));
-    }
     if req.sampling.max_tokens == 0 {
-        return bad("max_tokens must be at least 1".into());
-    }
-    let total = req.prompt_tokens.len() + req.sampling.max_tokens as usize;
-    if total > cfg.context_length {
         return Err(ErrorBody::fatal(
-            "context_length_exceeded",
-            format!(
-                "prompt plus max_tokens is {total} tokens; the context window is {}",
-                cfg.context_length
-            ),
+            "invalid_request",
+            "max_tokens must be at least 1",
         ));
     }
+    let max_new = req.sampling.max_tokens as usize;
+    state
+        .model
+        .config()
+        .check_prompt(&req.prompt_tokens, max_new)
+        .map_err(|e| ErrorBody::fatal(e.kind(), e.to_string()))?;
     let params = SamplingParams::from(&req.sampling);
     params
         .validate()
@@ -203,8 +169,8 @@ pub fn load_report(state: &AppState) -> LoadReport {
     let usage = state.pool.usage();
     let stats = &state.engine.stats;
     LoadReport {
-        queued_requests: stats.queued.load(Ordering::Relaxed),
-        queued_tokens: stats.queued_tokens.load(Ordering::Relaxed),
+        queued_requests: stats.queue.requests(),
+        queued_tokens: stats.queue.tokens(),
         active_sequences: stats.active.load(Ordering::Relaxed),
         kv_used_tokens: usage.reserved_tokens as u64,
         kv_free_tokens: usage.free_tokens() as u64,

@@ -13,9 +13,9 @@ use futures_util::StreamExt;
 use pdserve_engine::KvDtype;
 use pdserve_protocol::internal::ErrorBody;
 use pdserve_protocol::kvwire::{self, ExpectedKv, KvEvent, KvLimits, KvStreamDecoder};
+use pdserve_runtime::http::ApiError;
 
 use crate::engine::{FirstToken, Job, Start};
-use crate::http::ApiError;
 use crate::state::{AppState, Pending};
 
 /// `{"tokens": n, "bytes": n}` once the KV is in and the sequence admitted.

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use pdserve_decode::{build_app, build_state, Args};
-use pdserve_engine::{LoadOptions, Model, Tokenizer};
+use pdserve_engine::Tokenizer;
 use pdserve_protocol::internal::{Pool, WorkerRegistration};
 use pdserve_runtime::registration;
 use tokio_util::sync::CancellationToken;
@@ -14,22 +14,10 @@ use tokio_util::sync::CancellationToken;
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     pdserve_runtime::telemetry::init(&args.telemetry);
-    let threads = pdserve_engine::threads::configure(args.threads);
-    tracing::info!(?args, threads, "starting the decode worker");
-    let device = pdserve_engine::device::parse_device(&args.device)?;
-    let started = Instant::now();
-    let opts = LoadOptions {
-        weights: args.weights,
-        device,
-    };
-    let path = args.model.clone();
-    let model = tokio::task::spawn_blocking(move || Model::load(&path, &opts)).await??;
-    let tokenizer = Tokenizer::from_gguf_file(&args.model)?;
-    tracing::info!(
-        secs = started.elapsed().as_secs_f64(),
-        fingerprint = model.fingerprint(),
-        "model loaded"
-    );
+    tracing::info!(?args, "starting the decode worker");
+    let margs = args.model.clone();
+    let model = tokio::task::spawn_blocking(move || margs.load()).await??;
+    let tokenizer = Tokenizer::from_gguf_file(&args.model.path)?;
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
@@ -42,7 +30,7 @@ async fn main() -> anyhow::Result<()> {
         pool: Pool::Decode,
         url: public_url.clone(),
         model_fingerprint: model.fingerprint(),
-        weights: args.weights.to_string(),
+        weights: args.model.weights.to_string(),
     };
     let state = build_state(Arc::new(model), tokenizer.eos_token_id(), &args, public_url);
     let shutdown = CancellationToken::new();

@@ -1,9 +1,8 @@
 //! Command-line flags (each with an environment variable).
 
-use std::path::PathBuf;
-
 use clap::Parser;
-use pdserve_engine::{KvDtype, WeightFormat};
+use pdserve_engine::args::ModelArgs;
+use pdserve_engine::KvDtype;
 use pdserve_runtime::registration::RegistrationArgs;
 use pdserve_runtime::telemetry::TelemetryArgs;
 
@@ -20,18 +19,8 @@ pub struct Args {
     /// Base URL at which the router reaches this worker (default: http://HOST:PORT).
     #[arg(long, env = "PDSERVE_PUBLIC_URL")]
     pub public_url: Option<String>,
-    /// GGUF model file.
-    #[arg(long, env = "PDSERVE_MODEL")]
-    pub model: PathBuf,
-    /// Weight format: q8_0, f32 or native. Must match the decode workers'.
-    #[arg(long, env = "PDSERVE_WEIGHTS", default_value = "q8_0")]
-    pub weights: WeightFormat,
-    /// Device: cpu, or cuda[:N] in a CUDA build.
-    #[arg(long, env = "PDSERVE_DEVICE", default_value = "cpu")]
-    pub device: String,
-    /// Threads for the model (0 = one per core).
-    #[arg(long, env = "PDSERVE_THREADS", default_value_t = 0)]
-    pub threads: usize,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Prompt tokens per forward pass; longer prompts run in chunks.
     #[arg(long, env = "PDSERVE_PREFILL_CHUNK_TOKENS", default_value_t = 512)]
     pub prefill_chunk_tokens: usize,

@@ -11,6 +11,7 @@ use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
 use pdserve_engine::{KvDtype, KvPool, Model, Segment, SeqKv};
 use pdserve_protocol::internal::{ErrorBody, PrefillJob};
 use pdserve_protocol::kvwire::{self, KvHeader, KvTrailer};
+use pdserve_runtime::queue::{try_submit, QueueGauge};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -46,8 +47,7 @@ pub struct EngineConfig {
 /// Queue counters for `/load` and metrics.
 #[derive(Debug, Default)]
 pub struct QueueStats {
-    pub queued: AtomicU64,
-    pub queued_tokens: AtomicU64,
+    pub queue: QueueGauge,
     pub running: AtomicU64,
     /// Prompt tokens per second of the last job, as f64 bits.
     pub tokens_per_second: AtomicU64,
@@ -81,27 +81,11 @@ impl EngineHandle {
     /// Queues a task; a full queue is a retryable error.
     pub fn submit(&self, task: Task) -> Result<(), ErrorBody> {
         let tokens = task.job.prompt_tokens.len() as u64;
-        match self.tx.try_send(task) {
-            Ok(()) => {
-                self.stats.queued.fetch_add(1, Ordering::Relaxed);
-                self.stats
-                    .queued_tokens
-                    .fetch_add(tokens, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(mpsc::error::TrySendError::Full(_)) => Err(ErrorBody::retryable(
-                "overloaded",
-                "the prefill queue is full",
-            )),
-            Err(mpsc::error::TrySendError::Closed(_)) => Err(ErrorBody::retryable(
-                "engine_stopped",
-                "the prefill engine has stopped",
-            )),
-        }
+        try_submit(&self.tx, &self.stats.queue, task, tokens)
     }
 
     pub fn in_flight(&self) -> u64 {
-        self.stats.queued.load(Ordering::Relaxed) + self.stats.running.load(Ordering::Relaxed)
+        self.stats.queue.requests() + self.stats.running.load(Ordering::Relaxed)
     }
 }
 
@@ -117,10 +101,7 @@ impl Worker {
     fn run(self, mut rx: mpsc::Receiver<Task>) {
         while let Some(task) = rx.blocking_recv() {
             let tokens = task.job.prompt_tokens.len() as u64;
-            self.stats.queued.fetch_sub(1, Ordering::Relaxed);
-            self.stats
-                .queued_tokens
-                .fetch_sub(tokens, Ordering::Relaxed);
+            self.stats.queue.taken(tokens);
             self.stats.running.store(1, Ordering::Relaxed);
             self.publish();
             let queue_seconds = task.enqueued.elapsed().as_secs_f64();
@@ -151,13 +132,12 @@ impl Worker {
 
     fn publish(&self) {
         let pool = [pdserve_runtime::metrics::labels::POOL_PREFILL];
-        let queued =
-            self.stats.queued.load(Ordering::Relaxed) + self.stats.running.load(Ordering::Relaxed);
+        let queued = self.stats.queue.requests() + self.stats.running.load(Ordering::Relaxed);
         self.metrics
             .queue_depth
             .with_label_values(&pool)
             .set(queued as i64);
-        let tokens = self.stats.queued_tokens.load(Ordering::Relaxed);
+        let tokens = self.stats.queue.tokens();
         self.metrics
             .queue_depth_tokens
             .with_label_values(&pool)

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::IntoResponse;
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
@@ -17,8 +17,9 @@ use futures_util::StreamExt;
 use pdserve_engine::sampler::SamplingParams;
 use pdserve_engine::Model;
 use pdserve_protocol::internal::{
-    validate_request_id, ErrorBody, ErrorClass, LoadReport, PrefillJob, PrefillResult,
+    validate_request_id, ErrorBody, LoadReport, PrefillJob, PrefillResult,
 };
+use pdserve_runtime::http::ApiError;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -51,24 +52,6 @@ pub fn routes(state: Arc<AppState>) -> Router {
         .route("/load", get(load))
         .route("/metrics", get(metrics))
         .with_state(state)
-}
-
-/// An [`ErrorBody`] as an HTTP response: fatal → 400, retryable → 503 with `Retry-After`.
-pub struct ApiError(pub ErrorBody);
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let status = match self.0.class {
-            ErrorClass::Fatal => StatusCode::BAD_REQUEST,
-            ErrorClass::Retryable => StatusCode::SERVICE_UNAVAILABLE,
-        };
-        let mut resp = (status, Json(self.0)).into_response();
-        if status == StatusCode::SERVICE_UNAVAILABLE {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-        }
-        resp
-    }
 }
 
 /// Cancels the job when the handler ends for any reason, including the
@@ -197,31 +180,11 @@ async fn upload(
 
 fn validate(model: &Model, job: &PrefillJob) -> Result<(), ErrorBody> {
     validate_request_id(&job.request_id)?;
-    let cfg = model.config();
     let bad = |m: String| Err(ErrorBody::fatal("invalid_request", m));
-    if job.prompt_tokens.is_empty() {
-        return bad("the prompt is empty".into());
-    }
-    if let Some(t) = job
-        .prompt_tokens
-        .iter()
-        .find(|&&t| t as usize >= cfg.vocab_size)
-    {
-        return bad(format!(
-            "token id {t} is outside the vocabulary of {}",
-            cfg.vocab_size
-        ));
-    }
-    if job.prompt_tokens.len() > cfg.context_length {
-        return Err(ErrorBody::fatal(
-            "context_length_exceeded",
-            format!(
-                "the prompt has {} tokens; the context window is {}",
-                job.prompt_tokens.len(),
-                cfg.context_length
-            ),
-        ));
-    }
+    model
+        .config()
+        .check_prompt(&job.prompt_tokens, 0)
+        .map_err(|e| ErrorBody::fatal(e.kind(), e.to_string()))?;
     if !(job.kv_destination.starts_with("http://") || job.kv_destination.starts_with("https://")) {
         return bad(format!(
             "kv_destination `{}` is not an http(s) URL",
@@ -258,8 +221,8 @@ async fn load(State(state): State<Arc<AppState>>) -> Json<LoadReport> {
 pub fn load_report(state: &AppState) -> LoadReport {
     let s = &state.engine.stats;
     LoadReport {
-        queued_requests: s.queued.load(Ordering::Relaxed),
-        queued_tokens: s.queued_tokens.load(Ordering::Relaxed),
+        queued_requests: s.queue.requests(),
+        queued_tokens: s.queue.tokens(),
         active_sequences: s.running.load(Ordering::Relaxed),
         kv_used_tokens: 0,
         kv_free_tokens: 0,

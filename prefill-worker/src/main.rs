@@ -4,7 +4,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use pdserve_engine::{LoadOptions, Model};
 use pdserve_prefill::http::AppState;
 use pdserve_prefill::{build_app, build_state, Args};
 use pdserve_protocol::internal::{Pool, WorkerRegistration};
@@ -15,21 +14,9 @@ use tokio_util::sync::CancellationToken;
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     pdserve_runtime::telemetry::init(&args.telemetry);
-    let threads = pdserve_engine::threads::configure(args.threads);
-    tracing::info!(?args, threads, "starting the prefill worker");
-    let device = pdserve_engine::device::parse_device(&args.device)?;
-    let opts = LoadOptions {
-        weights: args.weights,
-        device,
-    };
-    let path = args.model.clone();
-    let started = Instant::now();
-    let model = tokio::task::spawn_blocking(move || Model::load(&path, &opts)).await??;
-    tracing::info!(
-        secs = started.elapsed().as_secs_f64(),
-        fingerprint = model.fingerprint(),
-        "model loaded"
-    );
+    tracing::info!(?args, "starting the prefill worker");
+    let margs = args.model.clone();
+    let model = tokio::task::spawn_blocking(move || margs.load()).await??;
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
@@ -42,7 +29,7 @@ async fn main() -> anyhow::Result<()> {
             .clone()
             .unwrap_or_else(|| format!("http://{addr}")),
         model_fingerprint: model.fingerprint(),
-        weights: args.weights.to_string(),
+        weights: args.model.weights.to_string(),
     };
     let state = build_state(Arc::new(model), &args);
     let shutdown = CancellationToken::new();

@@ -97,6 +97,32 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// Checks a prompt and its generation budget against the vocabulary and
+    /// the context window; the error names what is wrong and has a stable kind.
+    pub fn check_prompt(
+        &self,
+        tokens: &[u32],
+        max_new_tokens: usize,
+    ) -> std::result::Result<(), PromptError> {
+        if tokens.is_empty() {
+            return Err(PromptError::Empty);
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(PromptError::OutOfVocabulary {
+                token: t,
+                vocab: self.vocab_size,
+            });
+        }
+        let total = tokens.len() + max_new_tokens;
+        match total > self.context_length {
+            true => Err(PromptError::TooLong {
+                total,
+                context: self.context_length,
+            }),
+            false => Ok(()),
+        }
+    }
+
     /// Query heads per KV head.
     pub fn gqa_group(&self) -> usize {
         self.n_heads / self.n_kv_heads
@@ -114,6 +140,27 @@ impl ModelConfig {
         let o = self.n_heads * self.head_dim * h;
         let ffn = 3 * h * self.ffn_size;
         self.n_layers * (qkv + o + ffn) + h * self.vocab_size
+    }
+}
+
+/// Why a prompt cannot run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PromptError {
+    #[error("the prompt is empty")]
+    Empty,
+    #[error("token id {token} is outside the vocabulary of {vocab}")]
+    OutOfVocabulary { token: u32, vocab: usize },
+    #[error("prompt plus generated tokens is {total} tokens; the context window is {context}")]
+    TooLong { total: usize, context: usize },
+}
+
+impl PromptError {
+    /// A stable name for error codes and metric labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::TooLong { .. } => "context_length_exceeded",
+            _ => "invalid_request",
+        }
     }
 }
 

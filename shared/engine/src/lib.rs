@@ -5,6 +5,7 @@
 //! The model runs on whatever thread calls it; servers put it on dedicated
 //! threads (see [`threads::configure`]).
 
+pub mod args;
 mod attention;
 pub mod chat;
 pub mod config;
@@ -25,7 +26,7 @@ mod weights;
 mod wire;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use config::ModelConfig;
+pub use config::{ModelConfig, PromptError};
 pub use error::{EngineError, Result};
 pub use kv::{KvDtype, KvError, KvLayout, KvPool, KvUsage, SeqKv};
 pub use model::{LoadOptions, Logits, Model, Segment};

@@ -1,7 +1,9 @@
 //! Process plumbing shared by every pdserve binary: metric names, logging and
 //! graceful shutdown.
 
+pub mod http;
 pub mod metrics;
+pub mod queue;
 pub mod registration;
 pub mod shutdown;
 pub mod telemetry;

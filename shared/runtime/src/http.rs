@@ -1,0 +1,31 @@
+//! The internal API's error response, shared by the workers.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use pdserve_protocol::internal::{ErrorBody, ErrorClass};
+
+/// An [`ErrorBody`] as an HTTP response: fatal → 400, retryable → 503 with `Retry-After`.
+#[derive(Debug)]
+pub struct ApiError(pub ErrorBody);
+
+impl From<ErrorBody> for ApiError {
+    fn from(e: ErrorBody) -> Self {
+        Self(e)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = match self.0.class {
+            ErrorClass::Fatal => StatusCode::BAD_REQUEST,
+            ErrorClass::Retryable => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        let mut resp = (status, Json(self.0)).into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
