@@ -32,6 +32,13 @@ pub struct Args {
     /// Sequences that may wait for the engine before requests are refused.
     #[arg(long, env = "PDSERVE_MAX_QUEUE", default_value_t = 256)]
     pub max_queue: usize,
+    /// Peak memory bandwidth of this machine in GB/s, for the bandwidth-utilisation (MBU) estimate.
+    #[arg(
+        long,
+        env = "PDSERVE_PEAK_MEMORY_BANDWIDTH_GBPS",
+        default_value_t = 46.0
+    )]
+    pub peak_memory_bandwidth_gbps: f64,
     /// Seconds to let in-flight sequences finish after SIGTERM.
     #[arg(long, env = "PDSERVE_DRAIN_SECONDS", default_value_t = 30)]
     pub drain_seconds: u64,

@@ -30,6 +30,8 @@ pub struct EngineConfig {
     pub prefill_chunk_tokens: usize,
     /// Sequences that may wait in the intake channel.
     pub queue_capacity: usize,
+    /// Peak memory bandwidth, for the MBU estimate.
+    pub peak_bytes_per_second: f64,
 }
 
 /// The token a prefill worker sampled after the prompt.
@@ -264,6 +266,7 @@ impl Scheduler {
 
     fn decode_step(&mut self) {
         let started = Instant::now();
+        let kv_tokens: usize = self.active.iter().map(|s| s.kv.len() + 1).sum();
         let mut batch: Vec<(&mut SeqKv, u32)> = self
             .active
             .iter_mut()
@@ -301,6 +304,11 @@ impl Scheduler {
         let secs = started.elapsed().as_secs_f64();
         self.metrics.batch_size.observe(n as f64);
         self.metrics.step_seconds.observe(secs);
+        let bytes =
+            self.model.weight_bytes() + kv_tokens * self.model.kv_layout().bytes_per_token();
+        self.metrics
+            .mbu
+            .set(bytes as f64 / secs.max(1e-9) / self.cfg.peak_bytes_per_second.max(1.0));
         self.stats
             .tokens_per_second
             .store((n as f64 / secs.max(1e-9)).to_bits(), Ordering::Relaxed);

@@ -28,6 +28,7 @@ pub fn build_state(model: Arc<Model>, eos: u32, args: &Args, public_url: String)
         max_batch: args.max_batch,
         prefill_chunk_tokens: args.prefill_chunk_tokens,
         queue_capacity: args.max_queue,
+        peak_bytes_per_second: args.peak_memory_bandwidth_gbps * 1e9,
     };
     let engine = EngineHandle::spawn(model.clone(), eos, engine_cfg, metrics.clone());
     Arc::new(AppState {

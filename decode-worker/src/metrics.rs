@@ -18,6 +18,7 @@ pub struct DecodeMetrics {
     pub prompt_tokens: IntCounter,
     pub generation_tokens: IntCounter,
     pub requests: IntCounterVec,
+    pub mbu: prometheus::Gauge,
     pub kv_transfer_bytes: IntCounter,
     pub kv_transfer_seconds: Histogram,
 }
@@ -85,6 +86,7 @@ impl DecodeMetrics {
                 "Sequences finished, by status.",
                 &["status"],
             ),
+            mbu: m::gauge(&r, m::MODEL_BANDWIDTH_UTILIZATION, "Estimated share of peak memory bandwidth the last decode step used (weights plus KV read)."),
             kv_transfer_bytes: m::counter(
                 &r,
                 m::KV_TRANSFER_BYTES_TOTAL,

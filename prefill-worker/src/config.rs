@@ -30,6 +30,9 @@ pub struct Args {
     /// KV element type on the wire: f32 (exact) or f16 (half the bytes).
     #[arg(long, env = "PDSERVE_KV_DTYPE", default_value = "f32", value_parser = parse_dtype)]
     pub kv_dtype: KvDtype,
+    /// Peak matmul throughput of this machine in GFLOP/s, for the FLOPs-utilisation (MFU) estimate.
+    #[arg(long, env = "PDSERVE_PEAK_GFLOPS", default_value_t = 410.0)]
+    pub peak_gflops: f64,
     /// Seconds to let queued and running jobs finish after SIGTERM.
     #[arg(long, env = "PDSERVE_DRAIN_SECONDS", default_value_t = 30)]
     pub drain_seconds: u64,

@@ -20,6 +20,8 @@ use crate::metrics::PrefillMetrics;
 /// What the model thread reports for a finished prompt.
 #[derive(Debug)]
 pub struct Computed {
+    /// When the forward pass and sampling ended (the end frame was queued).
+    pub finished_at: Instant,
     pub first_token: u32,
     pub queue_seconds: f64,
     pub compute_seconds: f64,
@@ -42,6 +44,8 @@ pub struct EngineConfig {
     pub chunk_tokens: usize,
     pub queue_capacity: usize,
     pub kv_dtype: KvDtype,
+    /// Peak FLOP/s, for the MFU estimate.
+    pub peak_flops: f64,
 }
 
 /// Queue counters for `/load` and metrics.
@@ -179,12 +183,17 @@ impl Worker {
         sent += self.send(task, kvwire::encode_end(&trailer).map_err(wire)?.into())?;
         let secs = started.elapsed().as_secs_f64();
         self.metrics.prefill_seconds.observe(secs);
+        let flops = 2.0 * self.model.config().matmul_macs_per_token() as f64 * prompt.len() as f64;
+        self.metrics
+            .mfu
+            .set(flops / secs.max(1e-9) / self.cfg.peak_flops.max(1.0));
         self.metrics.prompt_tokens.inc_by(prompt.len() as u64);
         self.stats.tokens_per_second.store(
             (prompt.len() as f64 / secs.max(1e-9)).to_bits(),
             Ordering::Relaxed,
         );
         Ok(Computed {
+            finished_at: Instant::now(),
             first_token: first.token,
             queue_seconds: 0.0,
             compute_seconds: secs,

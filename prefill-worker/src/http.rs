@@ -115,14 +115,19 @@ async fn prefill(
     state.engine.submit(task).map_err(ApiError)?;
     let work = async {
         let upload_started = Instant::now();
-        let (computed, uploaded) = tokio::join!(reply_rx, upload(&state.client, &url, frames_rx));
+        let uploading = async {
+            upload(&state.client, &url, frames_rx).await?;
+            Ok::<Instant, ErrorBody>(Instant::now())
+        };
+        let (computed, uploaded) = tokio::join!(reply_rx, uploading);
         let computed = computed
             .map_err(|_| ErrorBody::retryable("engine_stopped", "the prefill engine stopped"))??;
-        uploaded?;
-        state
-            .metrics
-            .kv_transfer_seconds
-            .observe(upload_started.elapsed().as_secs_f64());
+        let acked = uploaded?;
+        let m = &state.metrics;
+        m.kv_transfer_seconds
+            .observe((acked - upload_started).as_secs_f64());
+        let tail = acked.saturating_duration_since(computed.finished_at);
+        m.transfer_tail_seconds.observe(tail.as_secs_f64());
         Ok::<Computed, ErrorBody>(computed)
     };
     let result = match tokio::time::timeout(deadline, work).await {

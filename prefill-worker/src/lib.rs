@@ -24,6 +24,7 @@ pub fn build_state(model: Arc<Model>, args: &Args) -> Arc<AppState> {
         chunk_tokens: args.prefill_chunk_tokens,
         queue_capacity: args.max_queue,
         kv_dtype: args.kv_dtype,
+        peak_flops: args.peak_gflops * 1e9,
     };
     let engine = EngineHandle::spawn(model.clone(), cfg, metrics.clone());
     Arc::new(AppState {

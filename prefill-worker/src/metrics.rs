@@ -13,6 +13,8 @@ pub struct PrefillMetrics {
     pub kv_transfer_bytes: IntCounter,
     pub kv_transfer_seconds: Histogram,
     pub requests: IntCounterVec,
+    pub mfu: prometheus::Gauge,
+    pub transfer_tail_seconds: Histogram,
 }
 
 impl PrefillMetrics {
@@ -51,6 +53,8 @@ impl PrefillMetrics {
                 "Prefill jobs finished, by status.",
                 &["status"],
             ),
+            mfu: m::gauge(&r, m::MODEL_FLOPS_UTILIZATION, "Estimated share of peak FLOP/s the last prompt used (matmuls only)."),
+            transfer_tail_seconds: m::histogram(&r, m::KV_TRANSFER_TAIL_SECONDS, "KV transfer time left after the prompt's compute ended (transfer not hidden by compute).", m::STEP_BUCKETS),
             registry: r,
         }
     }

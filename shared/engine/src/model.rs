@@ -178,6 +178,17 @@ impl Model {
         self.fingerprint
     }
 
+    /// Bytes of weights a decode step reads (all matrices; embeddings excluded,
+    /// as only one row per token is read).
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.qkv.bytes() + l.wo.bytes() + l.gate_up.bytes() + l.down.bytes())
+            .sum();
+        layers + self.lm_head.bytes()
+    }
+
     /// Time spent per stage of the forward pass since the last reset.
     pub fn stage_clock(&self) -> &StageClock {
         &self.clock

@@ -89,9 +89,12 @@ impl Linear {
             }
             out_dim += o;
         }
-        let tiled = out_dim % TILED_N == 0 && tiled_int8_kernels(device);
+        // Padding pays while it adds at most half the work (576 → 768 does; 64 → 256 does not).
+        let padded = in_dim.next_multiple_of(TILED_K);
+        let tiled =
+            out_dim % TILED_N == 0 && 2 * padded <= 3 * in_dim && tiled_int8_kernels(device);
         let padded_in = match format == WeightFormat::Q8_0 && tiled {
-            true => in_dim.next_multiple_of(TILED_K),
+            true => padded,
             false => in_dim,
         };
         let parts = match format {
@@ -120,6 +123,19 @@ impl Linear {
 
     pub fn out_dim(&self) -> usize {
         self.out_dim
+    }
+
+    /// Bytes of weights one forward pass reads.
+    pub fn bytes(&self) -> usize {
+        self.parts
+            .iter()
+            .map(|(w, _)| match w {
+                QMatMul::QTensor(t) => t.storage_size_in_bytes(),
+                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
+                    t.elem_count() * t.dtype().size_in_bytes()
+                }
+            })
+            .sum()
     }
 
     /// `x` is `[rows, in]`, row-major; returns `[rows, out]`.

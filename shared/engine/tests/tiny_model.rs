@@ -30,6 +30,17 @@ fn loads_in_every_format_with_config_from_metadata() {
         );
         assert_eq!(m.weight_format(), format);
     }
+    // Q8_0 weights are about a quarter of f32's.
+    let (q8, f32) = (
+        load(&path, WeightFormat::Q8_0),
+        load(&path, WeightFormat::F32),
+    );
+    assert!(
+        q8.weight_bytes() * 3 < f32.weight_bytes(),
+        "{} vs {}",
+        q8.weight_bytes(),
+        f32.weight_bytes()
+    );
     // Formats compute different KV, so they must not share a fingerprint.
     let fps: Vec<u64> = FORMATS
         .iter()

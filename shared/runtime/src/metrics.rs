@@ -17,6 +17,7 @@ pub const PROMPT_TOKENS_TOTAL: &str = "pdserve_prompt_tokens_total";
 pub const GENERATION_TOKENS_TOTAL: &str = "pdserve_generation_tokens_total";
 pub const KV_TRANSFER_BYTES_TOTAL: &str = "pdserve_kv_transfer_bytes_total";
 pub const KV_TRANSFER_SECONDS: &str = "pdserve_kv_transfer_seconds";
+pub const KV_TRANSFER_TAIL_SECONDS: &str = "pdserve_kv_transfer_tail_seconds";
 pub const REQUESTS_TOTAL: &str = "pdserve_requests_total";
 pub const MODEL_FLOPS_UTILIZATION: &str = "pdserve_model_flops_utilization_ratio";
 pub const MODEL_BANDWIDTH_UTILIZATION: &str = "pdserve_model_bandwidth_utilization_ratio";
