@@ -2,6 +2,7 @@
 //! micro-benchmarks of pdserve's own components.
 
 mod engine_bench;
+mod kv_bench;
 
 use clap::{Parser, Subcommand};
 
@@ -16,10 +17,13 @@ struct Cli {
 enum Command {
     /// Benchmark the engine in-process: prefill and batched-decode throughput.
     Engine(engine_bench::EngineArgs),
+    /// Benchmark moving one sequence's KV: export, wire encode/decode, import.
+    Kv(kv_bench::KvArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Engine(args) => engine_bench::run(args),
+        Command::Kv(args) => kv_bench::run(args),
     }
 }

@@ -74,6 +74,18 @@ impl ModelConfig {
         Ok(cfg)
     }
 
+    /// Reads the configuration from a GGUF file's header (no tensor data).
+    pub fn from_gguf_file(path: impl AsRef<std::path::Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let file = std::fs::File::open(path).map_err(|source| EngineError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let content = Content::read(&mut std::io::BufReader::new(file))
+            .map_err(|e| EngineError::InvalidModel(format!("{}: {e}", path.display())))?;
+        Self::from_gguf(&content)
+    }
+
     fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(EngineError::InvalidModel(m));
         if self.n_layers == 0 || self.n_heads == 0 || self.n_kv_heads == 0 || self.head_dim == 0 {
