@@ -17,3 +17,4 @@
 
 pub mod internal;
 pub mod kvwire;
+pub mod openai;

@@ -21,6 +21,15 @@ pub const KV_TRANSFER_TAIL_SECONDS: &str = "pdserve_kv_transfer_tail_seconds";
 pub const REQUESTS_TOTAL: &str = "pdserve_requests_total";
 pub const MODEL_FLOPS_UTILIZATION: &str = "pdserve_model_flops_utilization_ratio";
 pub const MODEL_BANDWIDTH_UTILIZATION: &str = "pdserve_model_bandwidth_utilization_ratio";
+// The router's user-facing and dispatch metrics.
+pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "pdserve_time_to_first_token_seconds";
+pub const INTER_TOKEN_LATENCY_SECONDS: &str = "pdserve_inter_token_latency_seconds";
+pub const REQUEST_DURATION_SECONDS: &str = "pdserve_request_duration_seconds";
+pub const REQUEST_STAGE_SECONDS: &str = "pdserve_request_stage_seconds";
+pub const REQUESTS_IN_FLIGHT: &str = "pdserve_requests_in_flight";
+pub const WORKERS: &str = "pdserve_workers";
+pub const PREFILL_RETRIES_TOTAL: &str = "pdserve_prefill_retries_total";
+pub const WORKER_ERRORS_TOTAL: &str = "pdserve_worker_errors_total";
 
 /// Label values.
 pub mod labels {
@@ -31,6 +40,14 @@ pub mod labels {
     pub const STATUS_OK: &str = "ok";
     pub const STATUS_ERROR: &str = "error";
     pub const STATUS_CANCELLED: &str = "cancelled";
+    pub const ENDPOINT_CHAT: &str = "chat";
+    pub const ENDPOINT_COMPLETIONS: &str = "completions";
+    /// Request stages timed by the router.
+    pub const STAGE_DECODE_RESERVE: &str = "decode_reserve";
+    pub const STAGE_PREFILL_QUEUE: &str = "prefill_queue";
+    pub const STAGE_PREFILL: &str = "prefill";
+    pub const STAGE_KV_TRANSFER: &str = "kv_transfer";
+    pub const STAGE_FIRST_DECODE: &str = "first_decode";
 }
 
 /// Buckets for per-step and per-token times (1 ms .. 10 s).
@@ -40,6 +57,16 @@ pub const STEP_BUCKETS: &[f64] = &[
 /// Buckets for request-level times (10 ms .. 5 min).
 pub const REQUEST_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+/// Buckets for time to first token (5 ms .. 60 s).
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
+    20.0, 60.0,
+];
+/// Buckets for the gap between two streamed tokens (1 ms .. 2.5 s).
+pub const ITL_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+    1.0, 2.5,
 ];
 /// Buckets for batch sizes.
 pub const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
@@ -57,6 +84,13 @@ pub fn gauge(registry: &Registry, name: &str, help: &str) -> prometheus::Gauge {
     register(
         registry,
         prometheus::Gauge::with_opts(Opts::new(name, help)).expect("valid metric"),
+    )
+}
+
+pub fn int_gauge(registry: &Registry, name: &str, help: &str) -> prometheus::IntGauge {
+    register(
+        registry,
+        prometheus::IntGauge::with_opts(Opts::new(name, help)).expect("valid metric"),
     )
 }
 
@@ -85,6 +119,20 @@ pub fn counter_vec(
 ) -> prometheus::IntCounterVec {
     let c = prometheus::IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
     register(registry, c)
+}
+
+pub fn histogram_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    buckets: &[f64],
+) -> prometheus::HistogramVec {
+    let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+    register(
+        registry,
+        prometheus::HistogramVec::new(opts, labels).expect("valid metric"),
+    )
 }
 
 pub fn histogram(

@@ -1,0 +1,243 @@
+//! Command-line flags (each with an environment variable), and the validated
+//! configuration they become.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use pdserve_runtime::telemetry::TelemetryArgs;
+
+/// Where prompts are prefilled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// Every prompt on a prefill worker, its KV streamed to the decode worker.
+    Disaggregated,
+    /// Every prompt prefilled on the decode worker itself.
+    Aggregated,
+    /// Short prompts (below `--local-prefill-max-tokens`) and every prompt
+    /// while no prefill worker is up are prefilled on the decode worker.
+    Auto,
+}
+
+/// How a pool's worker is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PolicyKind {
+    /// Prefill: fewest pending prompt tokens. Decode: most free KV.
+    LeastLoad,
+    RoundRobin,
+    /// Two random workers, the less loaded of them.
+    PowerOfTwo,
+}
+
+/// pdserve router: the OpenAI-compatible API in front of the prefill and decode pools.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "pdserve-router", version, about)]
+pub struct Args {
+    /// Address to listen on.
+    #[arg(long, env = "PDSERVE_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, env = "PDSERVE_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// GGUF model file: the router reads its tokenizer, chat template and
+    /// context length (not its weights); local workers load it.
+    #[arg(long = "model", env = "PDSERVE_MODEL")]
+    pub model: PathBuf,
+    /// The model name clients send and `/v1/models` lists (default: the file name without `.gguf`).
+    #[arg(long, env = "PDSERVE_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Where prompts are prefilled.
+    #[arg(long, env = "PDSERVE_MODE", value_enum, default_value_t = Mode::Auto)]
+    pub mode: Mode,
+    /// In `auto` mode, prompts shorter than this are prefilled on the decode worker.
+    #[arg(long, env = "PDSERVE_LOCAL_PREFILL_MAX_TOKENS", default_value_t = 32)]
+    pub local_prefill_max_tokens: usize,
+    /// Static prefill workers (base URLs, comma-separated).
+    #[arg(
+        long = "prefill-url",
+        env = "PDSERVE_PREFILL_URLS",
+        value_delimiter = ','
+    )]
+    pub prefill_urls: Vec<String>,
+    /// Static decode workers (base URLs, comma-separated).
+    #[arg(
+        long = "decode-url",
+        env = "PDSERVE_DECODE_URLS",
+        value_delimiter = ','
+    )]
+    pub decode_urls: Vec<String>,
+    /// Prefill workers behind a headless service, `name:port`, re-resolved periodically.
+    #[arg(long, env = "PDSERVE_PREFILL_DNS")]
+    pub prefill_dns: Option<String>,
+    /// Decode workers behind a headless service, `name:port`.
+    #[arg(long, env = "PDSERVE_DECODE_DNS")]
+    pub decode_dns: Option<String>,
+    /// Seconds between DNS resolutions.
+    #[arg(long, env = "PDSERVE_DNS_REFRESH_SECONDS", default_value_t = 5)]
+    pub dns_refresh_seconds: u64,
+    /// Milliseconds between health polls of static and DNS workers.
+    #[arg(long, env = "PDSERVE_HEALTH_INTERVAL_MS", default_value_t = 1000)]
+    pub health_interval_ms: u64,
+    /// A worker not heard from (heartbeat or poll) for this long is removed.
+    #[arg(long, env = "PDSERVE_WORKER_TIMEOUT_MS", default_value_t = 5000)]
+    pub worker_timeout_ms: u64,
+    #[arg(long, env = "PDSERVE_PREFILL_POLICY", value_enum, default_value_t = PolicyKind::LeastLoad)]
+    pub prefill_policy: PolicyKind,
+    #[arg(long, env = "PDSERVE_DECODE_POLICY", value_enum, default_value_t = PolicyKind::LeastLoad)]
+    pub decode_policy: PolicyKind,
+    /// Accepted API keys (comma-separated); none means no authentication.
+    #[arg(long = "api-key", env = "PDSERVE_API_KEYS", value_delimiter = ',')]
+    pub api_keys: Vec<String>,
+    /// Largest request body in bytes (413 above).
+    #[arg(long, env = "PDSERVE_MAX_BODY_BYTES", default_value_t = 4 << 20)]
+    pub max_body_bytes: usize,
+    /// Requests in flight at most; more get 429 with `Retry-After`.
+    #[arg(long, env = "PDSERVE_MAX_CONCURRENT_REQUESTS", default_value_t = 4096)]
+    pub max_concurrent_requests: usize,
+    /// `max_tokens` when a request gives none (capped by the context window).
+    #[arg(long, env = "PDSERVE_DEFAULT_MAX_TOKENS", default_value_t = 1024)]
+    pub default_max_tokens: u32,
+    /// Choices per request at most (`n`).
+    #[arg(long, env = "PDSERVE_MAX_N", default_value_t = 16)]
+    pub max_n: u32,
+    /// A request's whole lifetime at most, in seconds (504 after).
+    #[arg(long, env = "PDSERVE_REQUEST_TIMEOUT_SECONDS", default_value_t = 600)]
+    pub request_timeout_seconds: u64,
+    /// One prefill attempt at most (queue, compute and KV delivery), in seconds.
+    #[arg(long, env = "PDSERVE_PREFILL_TIMEOUT_SECONDS", default_value_t = 60)]
+    pub prefill_timeout_seconds: u64,
+    /// Extra prefill attempts, on other workers, after a retryable failure.
+    #[arg(long, env = "PDSERVE_PREFILL_RETRIES", default_value_t = 2)]
+    pub prefill_retries: u32,
+    /// Decode workers tried before a request fails with 503.
+    #[arg(long, env = "PDSERVE_DECODE_ATTEMPTS", default_value_t = 3)]
+    pub decode_attempts: u32,
+    /// Seconds to let in-flight requests finish after SIGTERM.
+    #[arg(long, env = "PDSERVE_DRAIN_SECONDS", default_value_t = 30)]
+    pub drain_seconds: u64,
+    #[command(flatten)]
+    pub local: crate::supervisor::LocalArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+}
+
+/// Dispatch settings, validated.
+#[derive(Debug, Clone)]
+pub struct DispatchConfig {
+    pub mode: Mode,
+    pub local_prefill_max_tokens: usize,
+    pub request_timeout: Duration,
+    pub prefill_timeout: Duration,
+    pub prefill_retries: u32,
+    pub decode_attempts: u32,
+}
+
+/// Front-end limits, validated.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_body_bytes: usize,
+    pub max_concurrent_requests: usize,
+    pub default_max_tokens: u32,
+    pub max_n: u32,
+}
+
+impl Args {
+    /// Checks the flags that can be wrong in ways clap cannot see.
+    pub fn validate(&self) -> Result<(), String> {
+        for url in self.prefill_urls.iter().chain(&self.decode_urls) {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(format!(
+                    "worker URL {url:?} must start with http:// or https://"
+                ));
+            }
+        }
+        for dns in self.prefill_dns.iter().chain(&self.decode_dns) {
+            crate::discovery::parse_host_port(dns)?;
+        }
+        if self.api_keys.iter().any(|k| k.is_empty()) {
+            return Err("an API key must not be empty".into());
+        }
+        let positive = [
+            ("--max-body-bytes", self.max_body_bytes as u64),
+            (
+                "--max-concurrent-requests",
+                self.max_concurrent_requests as u64,
+            ),
+            ("--default-max-tokens", self.default_max_tokens as u64),
+            ("--max-n", self.max_n as u64),
+            ("--request-timeout-seconds", self.request_timeout_seconds),
+            ("--prefill-timeout-seconds", self.prefill_timeout_seconds),
+            ("--decode-attempts", self.decode_attempts as u64),
+        ];
+        match positive.iter().find(|(_, v)| *v == 0) {
+            Some((flag, _)) => Err(format!("{flag} must be at least 1")),
+            None => Ok(()),
+        }
+    }
+
+    pub fn dispatch(&self) -> DispatchConfig {
+        DispatchConfig {
+            mode: self.mode,
+            local_prefill_max_tokens: self.local_prefill_max_tokens,
+            request_timeout: Duration::from_secs(self.request_timeout_seconds),
+            prefill_timeout: Duration::from_secs(self.prefill_timeout_seconds),
+            prefill_retries: self.prefill_retries,
+            decode_attempts: self.decode_attempts,
+        }
+    }
+
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_body_bytes: self.max_body_bytes,
+            max_concurrent_requests: self.max_concurrent_requests,
+            default_max_tokens: self.default_max_tokens,
+            max_n: self.max_n,
+        }
+    }
+
+    /// The name clients use for the model.
+    pub fn model_name(&self) -> String {
+        self.served_model_name.clone().unwrap_or_else(|| {
+            let stem = self
+                .model
+                .file_name()
+                .map(|s| s.to_string_lossy().into_owned());
+            let stem = stem.unwrap_or_else(|| "model".into());
+            stem.strip_suffix(".gguf").unwrap_or(&stem).to_string()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        let mut argv = vec!["pdserve-router", "--model", "/m/SmolLM2.Q4_1.gguf"];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).unwrap()
+    }
+
+    #[test]
+    fn defaults_are_valid_and_name_the_model_after_the_file() {
+        let a = args(&[]);
+        assert!(a.validate().is_ok());
+        assert_eq!(a.model_name(), "SmolLM2.Q4_1");
+        assert_eq!(a.mode, Mode::Auto);
+    }
+
+    #[test]
+    fn bad_flags_are_refused() {
+        assert!(args(&["--decode-url", "localhost:1"]).validate().is_err());
+        assert!(args(&["--prefill-dns", "no-port"]).validate().is_err());
+        assert!(args(&["--max-n", "0"]).validate().is_err());
+        let a = args(&[
+            "--decode-url",
+            "http://a:1,http://b:2",
+            "--api-key",
+            "k1,k2",
+        ]);
+        assert_eq!(a.decode_urls.len(), 2);
+        assert_eq!(a.api_keys, vec!["k1", "k2"]);
+    }
+}

@@ -1,0 +1,461 @@
+//! The seam between HTTP and scheduling: [`Dispatcher::start`] places one
+//! sequence (a prompt and its sampling) on the pools and returns a stream of
+//! its tokens.
+//!
+//! The flow (DESIGN "Processes and data flow"): pick a decode worker and open
+//! its generate stream, which reserves KV; unless the prompt is prefilled
+//! locally, pick a prefill worker and send it the job naming the decode
+//! worker's ingest URL; retry a failed prefill on another worker; relay the
+//! decode worker's tokens. Dropping the [`Sequence`] cancels everything.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdserve_protocol::internal::{
+    ErrorBody, FinishReason, GenerateEvent, GenerateRequest, KvSource, Pool, PrefillJob,
+    PrefillResult, SamplingSpec,
+};
+use pdserve_runtime::metrics::labels;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::config::{DispatchConfig, Mode};
+use crate::error::ApiError;
+use crate::metrics::{pool_label, RouterMetrics};
+use crate::ndjson::LineReader;
+use crate::policy::{Policy, RequestInfo};
+use crate::registry::{Registry, WorkerView};
+
+/// Time to get response headers from a worker.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Events buffered between the upstream reader and the client.
+const EVENT_BUFFER: usize = 64;
+
+/// One sequence to generate.
+#[derive(Debug, Clone)]
+pub struct SequenceRequest {
+    pub request_id: String,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingSpec,
+}
+
+/// What a sequence produces.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SeqEvent {
+    Token {
+        id: u32,
+        logprob: f32,
+        top_logprobs: Vec<(u32, f32)>,
+    },
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+    },
+}
+
+/// A running sequence. Dropping it cancels the decode stream and the prefill job.
+pub struct Sequence {
+    rx: mpsc::Receiver<Result<SeqEvent, ApiError>>,
+    _pump: AbortOnDrop,
+}
+
+impl Sequence {
+    pub async fn next(&mut self) -> Option<Result<SeqEvent, ApiError>> {
+        self.rx.recv().await
+    }
+}
+
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+pub struct Dispatcher {
+    pub registry: Arc<Registry>,
+    client: reqwest::Client,
+    cfg: DispatchConfig,
+    prefill_policy: Box<dyn Policy>,
+    decode_policy: Box<dyn Policy>,
+    metrics: Arc<RouterMetrics>,
+}
+
+/// An opened decode stream, KV reserved.
+struct Decode {
+    url: String,
+    reader: LineReader,
+    kv_url: Option<String>,
+    fingerprint: Option<u64>,
+}
+
+impl Dispatcher {
+    pub fn new(
+        registry: Arc<Registry>,
+        cfg: DispatchConfig,
+        policies: (Box<dyn Policy>, Box<dyn Policy>),
+        metrics: Arc<RouterMetrics>,
+    ) -> Self {
+        let client = reqwest::Client::builder()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true)
+            .build()
+            .unwrap_or_default();
+        Self {
+            registry,
+            client,
+            cfg,
+            prefill_policy: policies.0,
+            decode_policy: policies.1,
+            metrics,
+        }
+    }
+
+    /// Whether this prompt is prefilled on the decode worker.
+    fn local_prefill(&self, prompt_tokens: usize) -> Result<bool, ApiError> {
+        let prefill_up = || self.registry.has_ready(Pool::Prefill);
+        match self.cfg.mode {
+            Mode::Aggregated => Ok(true),
+            Mode::Auto => Ok(prompt_tokens < self.cfg.local_prefill_max_tokens || !prefill_up()),
+            Mode::Disaggregated if prefill_up() => Ok(false),
+            Mode::Disaggregated => Err(ApiError::NoWorker(Pool::Prefill)),
+        }
+    }
+
+    /// Places the sequence; returns once its KV is reserved on a decode worker.
+    pub async fn start(self: &Arc<Self>, req: SequenceRequest) -> Result<Sequence, ApiError> {
+        let started = Instant::now();
+        let deadline = tokio::time::Instant::now() + self.cfg.request_timeout;
+        let local = self.local_prefill(req.prompt.len())?;
+        let decode = self.open_decode(&req, local).await?;
+        self.metrics
+            .stage
+            .with_label_values(&[labels::STAGE_DECODE_RESERVE])
+            .observe(started.elapsed().as_secs_f64());
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        let prefill = match (&decode.kv_url, local) {
+            (Some(kv_url), false) => {
+                Some(self.clone().spawn_prefill(&req, kv_url, decode.fingerprint))
+            }
+            (None, false) => {
+                return Err(ApiError::Upstream {
+                    pool: Pool::Decode,
+                    message: "the decode worker gave no KV address".into(),
+                })
+            }
+            (_, true) => None,
+        };
+        let pump = tokio::spawn(self.clone().pump(decode, prefill, tx, deadline));
+        Ok(Sequence {
+            rx,
+            _pump: AbortOnDrop(pump),
+        })
+    }
+
+    fn lease(&self) -> Duration {
+        let attempts = self.cfg.prefill_retries + 1;
+        self.cfg.prefill_timeout * attempts + Duration::from_secs(attempts as u64)
+    }
+
+    /// Opens a generate stream on a decode worker, trying others when one is
+    /// full or unreachable.
+    async fn open_decode(&self, req: &SequenceRequest, local: bool) -> Result<Decode, ApiError> {
+        let body = GenerateRequest {
+            request_id: req.request_id.clone(),
+            prompt_tokens: req.prompt.clone(),
+            sampling: req.sampling.clone(),
+            kv_source: match local {
+                true => KvSource::Local,
+                false => KvSource::Remote {
+                    lease_ms: self.lease().as_millis() as u64,
+                },
+            },
+        };
+        let info = RequestInfo {
+            prompt_tokens: req.prompt.len() as u64,
+            reserve_tokens: (req.prompt.len() + req.sampling.max_tokens as usize) as u64,
+        };
+        let mut tried = Vec::new();
+        let mut last = ApiError::NoWorker(Pool::Decode);
+        for _ in 0..self.cfg.decode_attempts {
+            let Some(w) = self.pick(Pool::Decode, &info, &tried, None) else {
+                break;
+            };
+            tried.push(w.url.clone());
+            let _assigned = self.registry.assign(&w.url, info.reserve_tokens);
+            match self.try_decode(&w, &body).await {
+                Ok(d) => return Ok(d),
+                Err(e) if e.status().is_server_error() => last = e,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+
+    async fn try_decode(&self, w: &WorkerView, body: &GenerateRequest) -> Result<Decode, ApiError> {
+        let url = format!("{}/v1/internal/generate", w.url);
+        let resp = self.post(Pool::Decode, &w.url, &url, body).await?;
+        let mut reader = LineReader::new(resp);
+        match reader.next::<GenerateEvent>().await {
+            Ok(Some(GenerateEvent::Reserved { kv_url })) => Ok(Decode {
+                url: w.url.clone(),
+                reader,
+                kv_url,
+                fingerprint: w.fingerprint,
+            }),
+            Ok(Some(GenerateEvent::Error(e))) => Err(self.worker_error(Pool::Decode, e)),
+            other => {
+                self.registry.mark_down(&w.url);
+                Err(self.upstream(
+                    Pool::Decode,
+                    format!("unexpected start of stream: {other:?}"),
+                ))
+            }
+        }
+    }
+
+    /// POSTs JSON to a worker; a refusal becomes the worker's error, a
+    /// connection failure marks the worker down.
+    async fn post<T: serde::Serialize>(
+        &self,
+        pool: Pool,
+        base: &str,
+        url: &str,
+        body: &T,
+    ) -> Result<reqwest::Response, ApiError> {
+        let send = self.client.post(url).json(body).send();
+        let resp = match tokio::time::timeout(CONNECT_TIMEOUT, send).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                self.registry.mark_down(base);
+                return Err(self.upstream(pool, format!("{base}: {e}")));
+            }
+            Err(_) => return Err(self.upstream(pool, format!("{base} did not answer"))),
+        };
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        let status = resp.status();
+        match resp.json::<ErrorBody>().await {
+            Ok(e) => Err(self.worker_error(pool, e)),
+            Err(_) => Err(self.upstream(pool, format!("{base} answered {status}"))),
+        }
+    }
+
+    fn worker_error(&self, pool: Pool, e: ErrorBody) -> ApiError {
+        let err = ApiError::from_worker(pool, e);
+        self.metrics
+            .worker_errors
+            .with_label_values(&[pool_label(pool), err.kind()])
+            .inc();
+        err
+    }
+
+    fn upstream(&self, pool: Pool, message: String) -> ApiError {
+        let err = ApiError::Upstream { pool, message };
+        self.metrics
+            .worker_errors
+            .with_label_values(&[pool_label(pool), err.kind()])
+            .inc();
+        err
+    }
+
+    /// A ready worker not tried yet (or any ready one when all were tried).
+    fn pick(
+        &self,
+        pool: Pool,
+        info: &RequestInfo,
+        tried: &[String],
+        fingerprint: Option<u64>,
+    ) -> Option<WorkerView> {
+        let all = self.registry.candidates(pool, fingerprint);
+        let fresh: Vec<WorkerView> = all
+            .iter()
+            .filter(|w| !tried.contains(&w.url))
+            .cloned()
+            .collect();
+        let set = match (fresh.is_empty(), pool) {
+            (false, _) => fresh,
+            // A second chance on the same prefill worker beats failing; a
+            // decode worker that refused is not asked twice.
+            (true, Pool::Prefill) => all,
+            (true, Pool::Decode) => return None,
+        };
+        let policy = match pool {
+            Pool::Prefill => &self.prefill_policy,
+            Pool::Decode => &self.decode_policy,
+        };
+        policy.select(&set, info).and_then(|i| set.get(i).cloned())
+    }
+
+    fn spawn_prefill(
+        self: Arc<Self>,
+        req: &SequenceRequest,
+        kv_url: &str,
+        fingerprint: Option<u64>,
+    ) -> AbortOnDropResult {
+        let job = PrefillJob {
+            request_id: req.request_id.clone(),
+            prompt_tokens: req.prompt.clone(),
+            sampling: req.sampling.clone(),
+            kv_destination: kv_url.to_string(),
+            deadline_ms: self.cfg.prefill_timeout.as_millis() as u64,
+        };
+        AbortOnDropResult(tokio::spawn(
+            async move { self.prefill(job, fingerprint).await },
+        ))
+    }
+
+    /// Runs the job on a prefill worker, retrying retryable failures on others.
+    async fn prefill(
+        &self,
+        job: PrefillJob,
+        fingerprint: Option<u64>,
+    ) -> Result<PrefillResult, ApiError> {
+        let info = RequestInfo {
+            prompt_tokens: job.prompt_tokens.len() as u64,
+            reserve_tokens: 0,
+        };
+        let mut tried = Vec::new();
+        let mut last = ApiError::NoWorker(Pool::Prefill);
+        for attempt in 0..=self.cfg.prefill_retries {
+            if attempt > 0 {
+                self.metrics.prefill_retries.inc();
+                tokio::time::sleep(Duration::from_millis(50 << attempt.min(5))).await;
+            }
+            let Some(w) = self.pick(Pool::Prefill, &info, &tried, fingerprint) else {
+                continue;
+            };
+            tried.push(w.url.clone());
+            let _assigned = self.registry.assign(&w.url, info.prompt_tokens);
+            let started = Instant::now();
+            let call = self.prefill_once(&w.url, &job);
+            let result = tokio::time::timeout(self.cfg.prefill_timeout, call).await;
+            match result {
+                Ok(Ok(r)) => {
+                    self.observe_prefill(&r, started.elapsed());
+                    return Ok(r);
+                }
+                Ok(Err(e)) if e.status().is_server_error() => {
+                    tracing::warn!(request_id = %job.request_id, worker = %w.url, "prefill failed, retrying: {e}");
+                    last = e;
+                }
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    tracing::warn!(request_id = %job.request_id, worker = %w.url, "prefill timed out");
+                    last = self.upstream(Pool::Prefill, format!("{} timed out", w.url));
+                }
+            }
+        }
+        Err(last)
+    }
+
+    async fn prefill_once(&self, base: &str, job: &PrefillJob) -> Result<PrefillResult, ApiError> {
+        let url = format!("{base}/v1/internal/prefill");
+        let resp = self.post(Pool::Prefill, base, &url, job).await?;
+        resp.json::<PrefillResult>()
+            .await
+            .map_err(|e| self.upstream(Pool::Prefill, format!("{base}: bad prefill result: {e}")))
+    }
+
+    fn observe_prefill(&self, r: &PrefillResult, total: Duration) {
+        let stage = |name: &str, secs: f64| {
+            self.metrics
+                .stage
+                .with_label_values(&[name])
+                .observe(secs.max(0.0));
+        };
+        stage(labels::STAGE_PREFILL_QUEUE, r.queue_seconds);
+        stage(labels::STAGE_PREFILL, r.compute_seconds);
+        stage(
+            labels::STAGE_KV_TRANSFER,
+            total.as_secs_f64() - r.queue_seconds - r.compute_seconds,
+        );
+    }
+
+    /// Relays the decode stream to the client until it ends, the prefill
+    /// fails, the deadline passes or the client goes away.
+    async fn pump(
+        self: Arc<Self>,
+        mut decode: Decode,
+        mut prefill: Option<AbortOnDropResult>,
+        tx: mpsc::Sender<Result<SeqEvent, ApiError>>,
+        deadline: tokio::time::Instant,
+    ) {
+        let reserved = Instant::now();
+        let mut prefilled: Option<Instant> = None;
+        let mut first = true;
+        loop {
+            let event = tokio::select! {
+                biased;
+                _ = tx.closed() => return,
+                r = async { (&mut prefill.as_mut().expect("guarded").0).await }, if prefill.is_some() => {
+                    prefill = None;
+                    match r {
+                        Ok(Ok(_)) => { prefilled = Some(Instant::now()); continue }
+                        Ok(Err(e)) => Err(e),
+                        Err(_) => Err(ApiError::Internal("the prefill task failed".into())),
+                    }
+                }
+                ev = tokio::time::timeout_at(deadline, decode.reader.next::<GenerateEvent>()) => match ev {
+                    Err(_) => Err(ApiError::Deadline(self.cfg.request_timeout.as_secs())),
+                    Ok(Ok(Some(ev))) => Ok(ev),
+                    Ok(Ok(None)) | Ok(Err(_)) => {
+                        self.registry.mark_down(&decode.url);
+                        Err(self.upstream(Pool::Decode, format!("{}: the token stream broke", decode.url)))
+                    }
+                }
+            };
+            let out = match event {
+                Ok(GenerateEvent::Reserved { .. }) => continue,
+                Ok(GenerateEvent::Token {
+                    id,
+                    logprob,
+                    top_logprobs,
+                }) => {
+                    if std::mem::take(&mut first) {
+                        let (stage, since) = match prefilled {
+                            Some(t) => (labels::STAGE_FIRST_DECODE, t),
+                            None => (labels::STAGE_PREFILL, reserved),
+                        };
+                        self.metrics
+                            .stage
+                            .with_label_values(&[stage])
+                            .observe(since.elapsed().as_secs_f64());
+                    }
+                    Ok(SeqEvent::Token {
+                        id,
+                        logprob,
+                        top_logprobs,
+                    })
+                }
+                Ok(GenerateEvent::Finished {
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                }) => Ok(SeqEvent::Finished {
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                }),
+                Ok(GenerateEvent::Error(e)) => Err(self.worker_error(Pool::Decode, e)),
+                Err(e) => Err(e),
+            };
+            let done = !matches!(out, Ok(SeqEvent::Token { .. }));
+            if tx.send(out).await.is_err() || done {
+                return;
+            }
+        }
+    }
+}
+
+/// The prefill task; aborted (cancelling the job on the worker) when dropped.
+struct AbortOnDropResult(JoinHandle<Result<PrefillResult, ApiError>>);
+
+impl Drop for AbortOnDropResult {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

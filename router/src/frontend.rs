@@ -1,0 +1,217 @@
+//! The request front end: the tokenizer and chat template (read from the
+//! GGUF file without its weights), and the checks that turn an OpenAI request
+//! into prompts of token ids that fit the context window.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use pdserve_engine::{ChatMessage, ModelConfig, Tokenizer};
+use pdserve_protocol::openai::{
+    ChatCompletionRequest, CompletionRequest, MessageContent, PromptInput, RequestMessage,
+};
+
+use crate::config::Limits;
+use crate::error::ApiError;
+use crate::params::{self, Params};
+
+/// One prompt to run `n` times.
+#[derive(Debug, Clone)]
+pub struct PromptPlan {
+    pub tokens: Vec<u32>,
+    pub max_tokens: u32,
+    /// The prompt text, for completions' `echo`.
+    pub echo: Option<String>,
+}
+
+/// A validated request.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub prompts: Vec<PromptPlan>,
+    pub params: Params,
+}
+
+pub struct Frontend {
+    pub tokenizer: Arc<Tokenizer>,
+    pub context_length: usize,
+    pub vocab_size: usize,
+    pub model_name: String,
+    pub limits: Limits,
+}
+
+impl Frontend {
+    /// Reads the tokenizer, template and context length; the weights are not touched.
+    pub fn load(path: &Path, model_name: String, limits: Limits) -> anyhow::Result<Self> {
+        let tokenizer = Tokenizer::from_gguf_file(path)?;
+        let config = ModelConfig::from_gguf_file(path)?;
+        Ok(Self {
+            tokenizer: Arc::new(tokenizer),
+            context_length: config.context_length,
+            vocab_size: config.vocab_size,
+            model_name,
+            limits,
+        })
+    }
+
+    pub fn check_model(&self, model: &str) -> Result<(), ApiError> {
+        match model == self.model_name {
+            true => Ok(()),
+            false => Err(ApiError::ModelNotFound(model.to_string())),
+        }
+    }
+
+    pub fn prepare_chat(&self, req: &ChatCompletionRequest) -> Result<Prepared, ApiError> {
+        self.check_model(&req.model)?;
+        let logprobs = params::chat_logprobs(req.logprobs, req.top_logprobs)?;
+        let max = req.max_completion_tokens.or(req.params.max_tokens);
+        let params = params::parse(&req.params, max, logprobs, &self.limits)?;
+        let tokens = self.chat_tokens(&req.messages, true)?;
+        let plan = self.plan(tokens, params.max_tokens, None)?;
+        Ok(Prepared {
+            prompts: vec![plan],
+            params,
+        })
+    }
+
+    pub fn prepare_completion(&self, req: &CompletionRequest) -> Result<Prepared, ApiError> {
+        self.check_model(&req.model)?;
+        let logprobs = params::completion_logprobs(req.logprobs)?;
+        let params = params::parse(&req.params, req.params.max_tokens, logprobs, &self.limits)?;
+        let echo = req.echo.unwrap_or(false);
+        let prompts = self.completion_prompts(&req.prompt)?;
+        if prompts.len() as u64 * params.n as u64 > self.limits.max_n as u64 * 8 {
+            return Err(ApiError::invalid(
+                "prompt",
+                "too many prompts × n in one request",
+            ));
+        }
+        let prompts = prompts
+            .into_iter()
+            .map(|tokens| {
+                let text = echo.then(|| self.detokenize(&tokens)).transpose()?;
+                self.plan(tokens, params.max_tokens, text)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Prepared { prompts, params })
+    }
+
+    /// Renders the chat template and tokenizes the result.
+    pub fn chat_tokens(
+        &self,
+        messages: &[RequestMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, ApiError> {
+        if messages.is_empty() {
+            return Err(ApiError::invalid("messages", "messages must not be empty"));
+        }
+        let messages = messages
+            .iter()
+            .map(message_text)
+            .collect::<Result<Vec<_>, _>>()?;
+        let text = self
+            .tokenizer
+            .apply_chat_template(&messages, add_generation_prompt)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        // The template writes BOS itself where the model wants it.
+        self.tokenize(&text, false)
+    }
+
+    pub fn tokenize(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ApiError> {
+        self.tokenizer
+            .encode(text, add_special_tokens)
+            .map_err(|e| ApiError::invalid("prompt", e.to_string()))
+    }
+
+    pub fn detokenize(&self, tokens: &[u32]) -> Result<String, ApiError> {
+        self.tokenizer
+            .decode(tokens, false)
+            .map_err(|e| ApiError::invalid("tokens", e.to_string()))
+    }
+
+    fn completion_prompts(&self, prompt: &PromptInput) -> Result<Vec<Vec<u32>>, ApiError> {
+        match prompt {
+            PromptInput::Text(t) => Ok(vec![self.tokenize(t, true)?]),
+            PromptInput::Texts(ts) => ts.iter().map(|t| self.tokenize(t, true)).collect(),
+            PromptInput::Tokens(ids) => Ok(vec![ids.clone()]),
+            PromptInput::TokenLists(lists) => Ok(lists.clone()),
+        }
+        .and_then(|v| match v.is_empty() {
+            true => Err(ApiError::invalid("prompt", "prompt must not be empty")),
+            false => Ok(v),
+        })
+    }
+
+    /// Fixes `max_tokens` and checks the prompt fits.
+    fn plan(
+        &self,
+        tokens: Vec<u32>,
+        asked: Option<u32>,
+        echo: Option<String>,
+    ) -> Result<PromptPlan, ApiError> {
+        if tokens.is_empty() {
+            return Err(ApiError::invalid("prompt", "the prompt is empty"));
+        }
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!(
+                    "token id {t} is outside the vocabulary of {}",
+                    self.vocab_size
+                ),
+            ));
+        }
+        let room = self.context_length.saturating_sub(tokens.len());
+        let max_tokens =
+            asked.unwrap_or_else(|| (self.limits.default_max_tokens as usize).min(room) as u32);
+        if max_tokens == 0 || tokens.len() + max_tokens as usize > self.context_length {
+            return Err(ApiError::ContextLength(format!(
+                "this model's maximum context length is {} tokens; the request has {} prompt \
+                 tokens and asks for {} completion tokens",
+                self.context_length,
+                tokens.len(),
+                max_tokens.max(1)
+            )));
+        }
+        Ok(PromptPlan {
+            tokens,
+            max_tokens,
+            echo,
+        })
+    }
+}
+
+fn message_text(m: &RequestMessage) -> Result<ChatMessage, ApiError> {
+    if !matches!(
+        m.role.as_str(),
+        "system" | "developer" | "user" | "assistant" | "tool"
+    ) {
+        return Err(ApiError::invalid(
+            "messages",
+            format!("unknown message role {:?}", m.role),
+        ));
+    }
+    let content = match &m.content {
+        None => String::new(),
+        Some(MessageContent::Text(t)) => t.clone(),
+        Some(MessageContent::Parts(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                match (p.kind.as_str(), &p.text) {
+                    ("text", Some(t)) => text.push_str(t),
+                    (kind, _) => {
+                        return Err(ApiError::invalid(
+                            "messages",
+                            format!("content parts of type {kind:?} are not supported"),
+                        ))
+                    }
+                }
+            }
+            text
+        }
+    };
+    // The templates know `system`; `developer` is OpenAI's newer name for it.
+    let role = match m.role.as_str() {
+        "developer" => "system",
+        r => r,
+    };
+    Ok(ChatMessage::new(role, content))
+}

@@ -1,0 +1,58 @@
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use pdserve_protocol::internal::Pool;
+use pdserve_router::supervisor::{Supervisor, SupervisorConfig};
+use pdserve_router::{build_app, build_state, discovery, discovery_config, Args};
+use tokio_util::sync::CancellationToken;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    pdserve_runtime::telemetry::init(&args.telemetry);
+    tracing::info!(?args, "starting the router");
+    let state = build_state(&args)?;
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let addr = listener.local_addr()?;
+    let shutdown = CancellationToken::new();
+    pdserve_runtime::shutdown::cancel_on_signal(shutdown.clone());
+    discovery::spawn(
+        state.registry.clone(),
+        discovery_config(&args),
+        shutdown.clone(),
+    );
+    let drain = Duration::from_secs(args.drain_seconds);
+    let local = (args.local.local_prefill + args.local.local_decode > 0).then(|| {
+        let router_url = format!("http://127.0.0.1:{}", addr.port());
+        let cfg = SupervisorConfig::new(&args.local, &args.model, router_url, drain);
+        tracing::info!(?cfg, "starting local workers");
+        let sup = Supervisor::new(cfg);
+        (0..args.local.local_prefill).for_each(|_| sup.spawn(Pool::Prefill));
+        (0..args.local.local_decode).for_each(|_| sup.spawn(Pool::Decode));
+        sup
+    });
+    tracing::info!(%addr, model = %state.frontend.model_name, "listening");
+    let s = state.clone();
+    let token = shutdown.clone();
+    let graceful = async move {
+        token.cancelled().await;
+        s.accepting.store(false, Ordering::Relaxed);
+        let until = Instant::now() + drain;
+        while Instant::now() < until && s.in_flight.load(Ordering::Relaxed) > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tracing::info!("requests drained");
+    };
+    axum::serve(listener, build_app(state))
+        .with_graceful_shutdown(graceful)
+        .await?;
+    if let Some(sup) = local {
+        sup.shutdown().await;
+    }
+    tracing::info!("stopped");
+    Ok(())
+}

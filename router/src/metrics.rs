@@ -1,0 +1,140 @@
+//! The router's Prometheus metrics: what users see (TTFT, inter-token
+//! latency, duration), where the time goes (per-stage histograms), and the
+//! pools (queue depth, workers by state), refreshed from the registry.
+
+use pdserve_protocol::internal::Pool;
+use pdserve_runtime::metrics::{self as m, labels};
+use prometheus::{
+    Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry,
+};
+
+use crate::registry;
+
+pub struct RouterMetrics {
+    pub registry: Registry,
+    pub ttft: HistogramVec,
+    pub itl: Histogram,
+    pub duration: HistogramVec,
+    pub stage: HistogramVec,
+    pub requests: IntCounterVec,
+    pub prompt_tokens: IntCounter,
+    pub generation_tokens: IntCounter,
+    pub in_flight: IntGauge,
+    pub prefill_retries: IntCounter,
+    pub worker_errors: IntCounterVec,
+    pub queue_depth: IntGaugeVec,
+    pub queue_depth_tokens: IntGaugeVec,
+    pub active_sequences: IntGaugeVec,
+    pub workers: IntGaugeVec,
+}
+
+pub fn pool_label(pool: Pool) -> &'static str {
+    match pool {
+        Pool::Prefill => labels::POOL_PREFILL,
+        Pool::Decode => labels::POOL_DECODE,
+    }
+}
+
+impl RouterMetrics {
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let pool = &["pool"];
+        Self {
+            ttft: m::histogram_vec(
+                &r,
+                m::TIME_TO_FIRST_TOKEN_SECONDS,
+                "From request arrival to the first generated token, at the router.",
+                &["endpoint"],
+                m::TTFT_BUCKETS,
+            ),
+            itl: m::histogram(
+                &r,
+                m::INTER_TOKEN_LATENCY_SECONDS,
+                "Gap between two consecutive generated tokens of one choice.",
+                m::ITL_BUCKETS,
+            ),
+            duration: m::histogram_vec(
+                &r,
+                m::REQUEST_DURATION_SECONDS,
+                "From request arrival to the last byte of the response.",
+                &["endpoint"],
+                m::REQUEST_BUCKETS,
+            ),
+            stage: m::histogram_vec(
+                &r,
+                m::REQUEST_STAGE_SECONDS,
+                "Time spent per stage: decode_reserve, prefill_queue, prefill, kv_transfer, first_decode.",
+                &["stage"],
+                m::TTFT_BUCKETS,
+            ),
+            requests: m::counter_vec(
+                &r,
+                m::REQUESTS_TOTAL,
+                "Requests by endpoint and outcome (ok, cancelled, or the error code).",
+                &["endpoint", "status"],
+            ),
+            prompt_tokens: m::counter(&r, m::PROMPT_TOKENS_TOTAL, "Prompt tokens of served requests."),
+            generation_tokens: m::counter(&r, m::GENERATION_TOKENS_TOTAL, "Tokens generated for clients."),
+            in_flight: m::int_gauge(&r, m::REQUESTS_IN_FLIGHT, "Requests the router is serving now."),
+            prefill_retries: m::counter(
+                &r,
+                m::PREFILL_RETRIES_TOTAL,
+                "Prefill attempts repeated on another worker after a retryable failure.",
+            ),
+            worker_errors: m::counter_vec(
+                &r,
+                m::WORKER_ERRORS_TOTAL,
+                "Failed calls to workers, by pool and error code.",
+                &["pool", "code"],
+            ),
+            queue_depth: m::int_gauge_vec(&r, m::QUEUE_DEPTH, "Requests queued in the pool's workers.", pool),
+            queue_depth_tokens: m::int_gauge_vec(
+                &r,
+                m::QUEUE_DEPTH_TOKENS,
+                "Prompt tokens queued in the pool's workers.",
+                pool,
+            ),
+            active_sequences: m::int_gauge_vec(
+                &r,
+                m::ACTIVE_SEQUENCES,
+                "Sequences running in the pool's workers.",
+                pool,
+            ),
+            workers: m::int_gauge_vec(&r, m::WORKERS, "Workers by pool and state.", &["pool", "state"]),
+            registry: r,
+        }
+    }
+
+    /// Copies the pools' state from the registry (before each scrape).
+    pub fn refresh(&self, workers: &registry::Registry) {
+        for pool in [Pool::Prefill, Pool::Decode] {
+            let label = pool_label(pool);
+            let load = workers.pool_load(pool);
+            self.queue_depth
+                .with_label_values(&[label])
+                .set(load.queued_requests as i64);
+            self.queue_depth_tokens
+                .with_label_values(&[label])
+                .set(load.queued_tokens as i64);
+            self.active_sequences
+                .with_label_values(&[label])
+                .set(load.active_sequences as i64);
+            for (health, n) in workers.counts(pool) {
+                self.workers
+                    .with_label_values(&[label, health.label()])
+                    .set(n as i64);
+            }
+        }
+    }
+
+    pub fn render(&self, workers: &registry::Registry) -> String {
+        self.refresh(workers);
+        m::render(&self.registry)
+    }
+}
+
+impl Default for RouterMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,66 @@
+//! Worker selection policies, one file each behind a small trait.
+//!
+//! The defaults: prefill → fewest pending prompt tokens ([`least_prefill`]);
+//! decode → most free KV among workers that can hold the reservation
+//! ([`least_kv`]).
+
+mod least_kv;
+mod least_prefill;
+mod power_of_two;
+mod round_robin;
+
+use pdserve_protocol::internal::Pool;
+
+use crate::config::PolicyKind;
+use crate::registry::WorkerView;
+
+/// What a policy knows about the request it places.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestInfo {
+    /// Prompt tokens to prefill.
+    pub prompt_tokens: u64,
+    /// KV tokens to reserve on the decode worker (prompt + max_tokens).
+    pub reserve_tokens: u64,
+}
+
+pub trait Policy: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// Index of the chosen worker in `workers`; `None` when it is empty.
+    fn select(&self, workers: &[WorkerView], req: &RequestInfo) -> Option<usize>;
+}
+
+/// A worker's load in the unit its pool is balanced on: pending prompt
+/// tokens (prefill) or used KV tokens (decode), including work sent since
+/// its last report.
+pub fn cost(pool: Pool, w: &WorkerView) -> u64 {
+    match pool {
+        Pool::Prefill => w.load.queued_tokens + w.assigned_tokens,
+        Pool::Decode => w.load.kv_used_tokens + w.assigned_tokens,
+    }
+}
+
+pub fn build(kind: PolicyKind, pool: Pool) -> Box<dyn Policy> {
+    match (kind, pool) {
+        (PolicyKind::LeastLoad, Pool::Prefill) => Box::new(least_prefill::LeastPrefill),
+        (PolicyKind::LeastLoad, Pool::Decode) => Box::new(least_kv::LeastKv),
+        (PolicyKind::RoundRobin, _) => Box::new(round_robin::RoundRobin::default()),
+        (PolicyKind::PowerOfTwo, pool) => Box::new(power_of_two::PowerOfTwo::new(pool)),
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn worker(url: &str, queued_tokens: u64, kv_used: u64, kv_free: u64) -> WorkerView {
+    WorkerView {
+        url: url.into(),
+        load: pdserve_protocol::internal::LoadReport {
+            queued_tokens,
+            kv_used_tokens: kv_used,
+            kv_free_tokens: kv_free,
+            ready: true,
+            ..Default::default()
+        },
+        assigned_requests: 0,
+        assigned_tokens: 0,
+        fingerprint: None,
+    }
+}

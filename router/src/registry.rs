@@ -1,0 +1,367 @@
+//! The worker registry: every known worker of both pools, with its last load
+//! report and health, fed by registrations and heartbeats, static lists, DNS
+//! and health polls. One lock around one map.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use pdserve_protocol::internal::{Heartbeat, LoadReport, Pool, WorkerRegistration};
+
+/// How the router learnt about a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The worker registered itself and heartbeats.
+    Registered,
+    /// `--prefill-url` / `--decode-url`: polled, never removed.
+    Static,
+    /// Resolved from a headless service: polled, removed when it no longer resolves.
+    Dns,
+}
+
+/// A worker's state as the router sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// Registered or listed, not yet reporting ready.
+    Starting,
+    Ready,
+    /// Not ready any more (draining): no new work.
+    Draining,
+    /// Unreachable or failing: no new work until a good poll or heartbeat.
+    Down,
+}
+
+impl Health {
+    pub const ALL: [Health; 4] = [
+        Health::Starting,
+        Health::Ready,
+        Health::Draining,
+        Health::Down,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Health::Starting => "starting",
+            Health::Ready => "ready",
+            Health::Draining => "draining",
+            Health::Down => "down",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    pool: Pool,
+    source: Source,
+    fingerprint: Option<u64>,
+    load: LoadReport,
+    health: Health,
+    last_seen: Instant,
+    /// Work the router has sent that the last load report may not include yet.
+    assigned_requests: u64,
+    assigned_tokens: u64,
+}
+
+/// What a scheduling policy sees of a worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerView {
+    pub url: String,
+    pub load: LoadReport,
+    pub assigned_requests: u64,
+    pub assigned_tokens: u64,
+    pub fingerprint: Option<u64>,
+}
+
+#[derive(Default)]
+pub struct Registry {
+    workers: Mutex<BTreeMap<String, Entry>>,
+}
+
+fn health_of(load: &LoadReport) -> Health {
+    match load.ready {
+        true => Health::Ready,
+        false => Health::Draining,
+    }
+}
+
+impl Registry {
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Entry>> {
+        self.workers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn insert(&self, pool: Pool, url: &str, source: Source, fingerprint: Option<u64>) {
+        let mut map = self.lock();
+        let entry = map.entry(url.to_string()).or_insert_with(|| Entry {
+            pool,
+            source,
+            fingerprint,
+            load: LoadReport::default(),
+            health: Health::Starting,
+            last_seen: Instant::now(),
+            assigned_requests: 0,
+            assigned_tokens: 0,
+        });
+        entry.pool = pool;
+        entry.fingerprint = fingerprint.or(entry.fingerprint);
+        entry.last_seen = Instant::now();
+        // A registration upgrades a polled entry: the worker now heartbeats.
+        if source == Source::Registered {
+            entry.source = source;
+        }
+    }
+
+    pub fn register(&self, reg: &WorkerRegistration) {
+        tracing::info!(url = %reg.url, pool = ?reg.pool, weights = %reg.weights, "worker registered");
+        self.insert(
+            reg.pool,
+            &reg.url,
+            Source::Registered,
+            Some(reg.model_fingerprint),
+        );
+    }
+
+    /// Records a heartbeat; false when the worker is unknown (it should register again).
+    pub fn heartbeat(&self, hb: &Heartbeat) -> bool {
+        self.record_load(&hb.url, hb.load.clone())
+    }
+
+    pub fn deregister(&self, url: &str) {
+        if self.lock().remove(url).is_some() {
+            tracing::info!(%url, "worker deregistered");
+        }
+    }
+
+    pub fn add_static(&self, pool: Pool, url: &str) {
+        self.insert(pool, url.trim_end_matches('/'), Source::Static, None);
+    }
+
+    /// Makes the DNS-discovered workers of `pool` exactly `urls`.
+    pub fn sync_dns(&self, pool: Pool, urls: &[String]) {
+        self.lock()
+            .retain(|url, e| e.source != Source::Dns || e.pool != pool || urls.contains(url));
+        for url in urls {
+            self.insert(pool, url, Source::Dns, None);
+        }
+    }
+
+    /// A good load report (poll or heartbeat); false when the worker is unknown.
+    pub fn record_load(&self, url: &str, load: LoadReport) -> bool {
+        let mut map = self.lock();
+        let Some(e) = map.get_mut(url) else {
+            return false;
+        };
+        e.health = health_of(&load);
+        e.load = load;
+        e.last_seen = Instant::now();
+        true
+    }
+
+    /// The worker failed a request or a poll: no new work until it reports again.
+    pub fn mark_down(&self, url: &str) {
+        if let Some(e) = self.lock().get_mut(url) {
+            if e.health != Health::Down {
+                tracing::warn!(%url, "worker marked down");
+            }
+            e.health = Health::Down;
+        }
+    }
+
+    /// Workers to poll: those without heartbeats.
+    pub fn pollable(&self) -> Vec<String> {
+        let map = self.lock();
+        map.iter()
+            .filter(|(_, e)| e.source != Source::Registered)
+            .map(|(u, _)| u.clone())
+            .collect()
+    }
+
+    /// Forgets registered workers silent for longer than `timeout`, and marks
+    /// silent polled workers down.
+    pub fn expire(&self, timeout: Duration) {
+        let now = Instant::now();
+        let mut map = self.lock();
+        map.retain(|url, e| {
+            let silent = now.duration_since(e.last_seen) > timeout;
+            if silent && e.source == Source::Registered {
+                tracing::warn!(%url, "worker stopped heartbeating: removed");
+                return false;
+            }
+            if silent {
+                e.health = Health::Down;
+            }
+            true
+        });
+    }
+
+    /// Ready workers of `pool`, optionally only those with `fingerprint`.
+    pub fn candidates(&self, pool: Pool, fingerprint: Option<u64>) -> Vec<WorkerView> {
+        let map = self.lock();
+        map.iter()
+            .filter(|(_, e)| e.pool == pool && e.health == Health::Ready)
+            .filter(|(_, e)| match (fingerprint, e.fingerprint) {
+                (Some(a), Some(b)) => a == b,
+                _ => true,
+            })
+            .map(|(url, e)| WorkerView {
+                url: url.clone(),
+                load: e.load.clone(),
+                assigned_requests: e.assigned_requests,
+                assigned_tokens: e.assigned_tokens,
+                fingerprint: e.fingerprint,
+            })
+            .collect()
+    }
+
+    pub fn has_ready(&self, pool: Pool) -> bool {
+        let map = self.lock();
+        map.values()
+            .any(|e| e.pool == pool && e.health == Health::Ready)
+    }
+
+    /// Counts work sent to `url` until the returned guard is dropped.
+    pub fn assign(self: &Arc<Self>, url: &str, tokens: u64) -> Assignment {
+        if let Some(e) = self.lock().get_mut(url) {
+            e.assigned_requests += 1;
+            e.assigned_tokens += tokens;
+        }
+        Assignment {
+            registry: self.clone(),
+            url: url.to_string(),
+            tokens,
+        }
+    }
+
+    /// Workers per health state, for the metrics.
+    pub fn counts(&self, pool: Pool) -> [(Health, usize); 4] {
+        let map = self.lock();
+        Health::ALL.map(|h| {
+            let n = map
+                .values()
+                .filter(|e| e.pool == pool && e.health == h)
+                .count();
+            (h, n)
+        })
+    }
+
+    /// The pool's load: the sum of its live workers' reports.
+    pub fn pool_load(&self, pool: Pool) -> LoadReport {
+        let map = self.lock();
+        let mut sum = LoadReport::default();
+        for e in map
+            .values()
+            .filter(|e| e.pool == pool && e.health != Health::Down)
+        {
+            sum.queued_requests += e.load.queued_requests;
+            sum.queued_tokens += e.load.queued_tokens;
+            sum.active_sequences += e.load.active_sequences;
+            sum.kv_used_tokens += e.load.kv_used_tokens;
+            sum.kv_free_tokens += e.load.kv_free_tokens;
+            sum.tokens_per_second += e.load.tokens_per_second;
+            sum.ready |= e.health == Health::Ready;
+        }
+        sum
+    }
+}
+
+/// Work in flight on a worker, counted until dropped.
+pub struct Assignment {
+    registry: Arc<Registry>,
+    url: String,
+    tokens: u64,
+}
+
+impl Drop for Assignment {
+    fn drop(&mut self) {
+        if let Some(e) = self.registry.lock().get_mut(&self.url) {
+            e.assigned_requests = e.assigned_requests.saturating_sub(1);
+            e.assigned_tokens = e.assigned_tokens.saturating_sub(self.tokens);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ready(tokens: u64) -> LoadReport {
+        LoadReport {
+            queued_tokens: tokens,
+            ready: true,
+            ..Default::default()
+        }
+    }
+
+    fn reg(pool: Pool, url: &str, fp: u64) -> WorkerRegistration {
+        WorkerRegistration {
+            pool,
+            url: url.into(),
+            model_fingerprint: fp,
+            weights: "q8_0".into(),
+        }
+    }
+
+    #[test]
+    fn workers_take_work_only_once_ready() {
+        let r = Registry::default();
+        r.register(&reg(Pool::Prefill, "http://p1", 1));
+        assert!(r.candidates(Pool::Prefill, None).is_empty());
+        assert!(r.heartbeat(&Heartbeat {
+            url: "http://p1".into(),
+            load: ready(5),
+        }));
+        assert_eq!(r.candidates(Pool::Prefill, None).len(), 1);
+        assert!(r.candidates(Pool::Decode, None).is_empty());
+        assert!(
+            r.candidates(Pool::Prefill, Some(2)).is_empty(),
+            "fingerprints must match"
+        );
+        r.mark_down("http://p1");
+        assert!(r.candidates(Pool::Prefill, None).is_empty());
+        r.record_load("http://p1", LoadReport::default());
+        assert_eq!(r.counts(Pool::Prefill)[2], (Health::Draining, 1));
+    }
+
+    #[test]
+    fn unknown_heartbeats_ask_for_registration() {
+        let r = Registry::default();
+        assert!(!r.heartbeat(&Heartbeat {
+            url: "http://x".into(),
+            load: ready(0),
+        }));
+    }
+
+    #[test]
+    fn silent_registered_workers_expire_and_static_ones_go_down() {
+        let r = Registry::default();
+        r.register(&reg(Pool::Decode, "http://d1", 1));
+        r.add_static(Pool::Decode, "http://d2/");
+        r.record_load("http://d2", ready(0));
+        r.expire(Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(2));
+        r.expire(Duration::from_millis(1));
+        assert_eq!(r.pollable(), vec!["http://d2".to_string()]);
+        assert_eq!(r.counts(Pool::Decode)[3], (Health::Down, 1));
+    }
+
+    #[test]
+    fn dns_sync_adds_and_removes_only_dns_workers() {
+        let r = Registry::default();
+        r.add_static(Pool::Prefill, "http://s");
+        r.sync_dns(Pool::Prefill, &["http://a".into(), "http://b".into()]);
+        r.sync_dns(Pool::Prefill, &["http://b".into()]);
+        let mut urls = r.pollable();
+        urls.sort();
+        assert_eq!(urls, vec!["http://b", "http://s"]);
+    }
+
+    #[test]
+    fn assignments_are_counted_until_dropped() {
+        let r = Arc::new(Registry::default());
+        r.add_static(Pool::Decode, "http://d");
+        r.record_load("http://d", ready(0));
+        let a = r.assign("http://d", 100);
+        assert_eq!(r.candidates(Pool::Decode, None)[0].assigned_tokens, 100);
+        drop(a);
+        assert_eq!(r.candidates(Pool::Decode, None)[0].assigned_tokens, 0);
+    }
+}

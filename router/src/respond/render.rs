@@ -1,0 +1,218 @@
+//! The OpenAI object shapes, per endpoint: chunks of a stream and the
+//! final object of a non-streaming response.
+
+use pdserve_engine::Tokenizer;
+use pdserve_protocol::openai::{
+    ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, Completion,
+    CompletionChoice, CompletionLogprobs, Delta, ResponseMessage, TokenLogprob, TopLogprob, Usage,
+    UsageField,
+};
+use serde_json::Value;
+
+use super::choice::{token_text, TokenLp};
+use crate::params::LogprobMode;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Chat,
+    Completion,
+}
+
+/// Identity shared by every object of one response.
+#[derive(Debug, Clone)]
+pub struct Header {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub fingerprint: String,
+    pub format: Format,
+    pub logprobs: LogprobMode,
+    /// Whether streamed chunks carry `usage` (null until the last one).
+    pub include_usage: bool,
+}
+
+/// What one choice produced, for the non-streaming object.
+#[derive(Debug, Clone, Default)]
+pub struct ChoiceResult {
+    pub text: String,
+    pub tokens: Vec<TokenLp>,
+    pub finish_reason: Option<String>,
+    pub completion_tokens: u32,
+    /// Bytes of echoed prompt at the start of `text`.
+    pub echo_len: u32,
+}
+
+fn chat_logprobs(tok: &Tokenizer, tokens: &[TokenLp]) -> ChatLogprobs {
+    let entry = |id: u32, logprob: f32| {
+        let (token, bytes) = token_text(tok, id);
+        (token, bytes, logprob)
+    };
+    ChatLogprobs {
+        content: tokens
+            .iter()
+            .map(|t| {
+                let (token, bytes, logprob) = entry(t.id, t.logprob);
+                TokenLogprob {
+                    token,
+                    logprob,
+                    bytes,
+                    top_logprobs: t
+                        .top
+                        .iter()
+                        .map(|&(id, lp)| {
+                            let (token, bytes, logprob) = entry(id, lp);
+                            TopLogprob {
+                                token,
+                                logprob,
+                                bytes,
+                            }
+                        })
+                        .collect(),
+                }
+            })
+            .collect(),
+    }
+}
+
+fn completion_logprobs(tok: &Tokenizer, tokens: &[TokenLp], offset: u32) -> CompletionLogprobs {
+    let mut out = CompletionLogprobs::default();
+    let mut at = offset;
+    for t in tokens {
+        let (text, _) = token_text(tok, t.id);
+        out.text_offset.push(at);
+        at += text.len() as u32;
+        out.tokens.push(text);
+        out.token_logprobs.push(t.logprob);
+        out.top_logprobs.push(
+            t.top
+                .iter()
+                .map(|&(id, lp)| (token_text(tok, id).0, Value::from(lp)))
+                .collect(),
+        );
+    }
+    out
+}
+
+impl Header {
+    fn usage_field(&self) -> UsageField {
+        match self.include_usage {
+            true => UsageField::Null,
+            false => UsageField::Absent,
+        }
+    }
+
+    /// One streamed chunk for one choice.
+    pub fn chunk(
+        &self,
+        tok: &Tokenizer,
+        index: u32,
+        delta: Delta,
+        tokens: &[TokenLp],
+        finish_reason: Option<&str>,
+        text_offset: u32,
+    ) -> Value {
+        let finish_reason = finish_reason.map(str::to_string);
+        let value = match self.format {
+            Format::Chat => serde_json::to_value(ChatCompletionChunk {
+                id: self.id.clone(),
+                object: "chat.completion.chunk".into(),
+                created: self.created,
+                model: self.model.clone(),
+                system_fingerprint: self.fingerprint.clone(),
+                choices: vec![ChatChunkChoice {
+                    index,
+                    logprobs: matches!(self.logprobs, LogprobMode::Chat(_))
+                        .then(|| chat_logprobs(tok, tokens)),
+                    delta,
+                    finish_reason,
+                }],
+                usage: self.usage_field(),
+            }),
+            Format::Completion => serde_json::to_value(self.completion(
+                vec![CompletionChoice {
+                    index,
+                    text: delta.content.unwrap_or_default(),
+                    logprobs: matches!(self.logprobs, LogprobMode::Completion(_))
+                        .then(|| completion_logprobs(tok, tokens, text_offset)),
+                    finish_reason,
+                }],
+                self.usage_field(),
+            )),
+        };
+        value.unwrap_or(Value::Null)
+    }
+
+    /// The last chunk of a stream with `include_usage`: no choices, the totals.
+    pub fn usage_chunk(&self, usage: Usage) -> Value {
+        let value = match self.format {
+            Format::Chat => serde_json::to_value(ChatCompletionChunk {
+                id: self.id.clone(),
+                object: "chat.completion.chunk".into(),
+                created: self.created,
+                model: self.model.clone(),
+                system_fingerprint: self.fingerprint.clone(),
+                choices: vec![],
+                usage: UsageField::Some(usage),
+            }),
+            Format::Completion => {
+                serde_json::to_value(self.completion(vec![], UsageField::Some(usage)))
+            }
+        };
+        value.unwrap_or(Value::Null)
+    }
+
+    fn completion(&self, choices: Vec<CompletionChoice>, usage: UsageField) -> Completion {
+        Completion {
+            id: self.id.clone(),
+            object: "text_completion".into(),
+            created: self.created,
+            model: self.model.clone(),
+            system_fingerprint: self.fingerprint.clone(),
+            choices,
+            usage,
+        }
+    }
+
+    /// The non-streaming response.
+    pub fn complete(&self, tok: &Tokenizer, results: Vec<ChoiceResult>, usage: Usage) -> Value {
+        let value = match self.format {
+            Format::Chat => serde_json::to_value(ChatCompletion {
+                id: self.id.clone(),
+                object: "chat.completion".into(),
+                created: self.created,
+                model: self.model.clone(),
+                system_fingerprint: self.fingerprint.clone(),
+                choices: results
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, r)| ChatChoice {
+                        index: i as u32,
+                        logprobs: matches!(self.logprobs, LogprobMode::Chat(_))
+                            .then(|| chat_logprobs(tok, &r.tokens)),
+                        message: ResponseMessage {
+                            role: "assistant".into(),
+                            content: r.text,
+                        },
+                        finish_reason: r.finish_reason,
+                    })
+                    .collect(),
+                usage,
+            }),
+            Format::Completion => {
+                let choices = results
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, r)| CompletionChoice {
+                        index: i as u32,
+                        logprobs: matches!(self.logprobs, LogprobMode::Completion(_))
+                            .then(|| completion_logprobs(tok, &r.tokens, r.echo_len)),
+                        text: r.text,
+                        finish_reason: r.finish_reason,
+                    })
+                    .collect();
+                serde_json::to_value(self.completion(choices, UsageField::Some(usage)))
+            }
+        };
+        value.unwrap_or(Value::Null)
+    }
+}

@@ -1,0 +1,248 @@
+//! The local supervisor: runs worker processes on this machine, restarts any
+//! that crash (with backoff), and stops them by SIGTERM so they drain. The
+//! workers register themselves with the router (`--router-url`).
+
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use clap::Args;
+use pdserve_protocol::internal::Pool;
+use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Flags of the local supervisor, flattened into the router's.
+#[derive(Args, Debug, Clone)]
+pub struct LocalArgs {
+    /// Prefill worker processes to run and supervise on this machine.
+    #[arg(long, env = "PDSERVE_LOCAL_PREFILL", default_value_t = 0)]
+    pub local_prefill: usize,
+    /// Decode worker processes to run and supervise on this machine.
+    #[arg(long, env = "PDSERVE_LOCAL_DECODE", default_value_t = 0)]
+    pub local_decode: usize,
+    /// Folder with the `pdserve-prefill` and `pdserve-decode` binaries (default: this binary's).
+    #[arg(long, env = "PDSERVE_WORKER_BIN_DIR")]
+    pub worker_bin_dir: Option<PathBuf>,
+    /// Model threads per local worker (0: this machine's cores shared out among
+    /// the local workers, each pinned to its own cores).
+    #[arg(long, env = "PDSERVE_WORKER_THREADS", default_value_t = 0)]
+    pub worker_threads: usize,
+    /// Weight format of local workers (both pools must match).
+    #[arg(long, env = "PDSERVE_WORKER_WEIGHTS", default_value = "q8_0")]
+    pub worker_weights: String,
+    /// KV cache budget of each local decode worker, in tokens.
+    #[arg(long, env = "PDSERVE_WORKER_KV_CACHE_TOKENS", default_value_t = 65_536)]
+    pub worker_kv_cache_tokens: usize,
+}
+
+/// What every local worker is started with.
+#[derive(Debug, Clone)]
+pub struct SupervisorConfig {
+    pub bin_dir: PathBuf,
+    pub model: PathBuf,
+    pub router_url: String,
+    pub weights: String,
+    pub threads: usize,
+    /// Cores to pin worker `k` to: `k*threads .. (k+1)*threads`, when they fit.
+    pub pin: bool,
+    pub kv_cache_tokens: usize,
+    pub drain: Duration,
+}
+
+impl SupervisorConfig {
+    pub fn new(args: &LocalArgs, model: &Path, router_url: String, drain: Duration) -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let workers = (args.local_prefill + args.local_decode).max(1);
+        let threads = match args.worker_threads {
+            0 => (cores / workers).max(1),
+            n => n,
+        };
+        let bin_dir = args.worker_bin_dir.clone().unwrap_or_else(|| {
+            std::env::current_exe()
+                .ok()
+                .and_then(|p| p.parent().map(Path::to_path_buf))
+                .unwrap_or_default()
+        });
+        Self {
+            bin_dir,
+            model: model.to_path_buf(),
+            router_url,
+            weights: args.worker_weights.clone(),
+            threads,
+            pin: threads * workers <= cores,
+            kv_cache_tokens: args.worker_kv_cache_tokens,
+            drain,
+        }
+    }
+}
+
+struct Slot {
+    pool: Pool,
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+pub struct Supervisor {
+    cfg: SupervisorConfig,
+    slots: Mutex<Vec<Slot>>,
+}
+
+impl Supervisor {
+    pub fn new(cfg: SupervisorConfig) -> Arc<Self> {
+        Arc::new(Self {
+            cfg,
+            slots: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn slots(&self) -> std::sync::MutexGuard<'_, Vec<Slot>> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts one more supervised worker of `pool`.
+    pub fn spawn(self: &Arc<Self>, pool: Pool) {
+        let mut slots = self.slots();
+        let ordinal = slots.len();
+        let stop = CancellationToken::new();
+        let me = self.clone();
+        let token = stop.clone();
+        let task = tokio::spawn(async move { me.supervise(pool, ordinal, token).await });
+        slots.push(Slot { pool, stop, task });
+    }
+
+    /// Local workers per pool.
+    pub fn count(&self, pool: Pool) -> usize {
+        self.slots().iter().filter(|s| s.pool == pool).count()
+    }
+
+    fn command(&self, pool: Pool, ordinal: usize) -> Command {
+        let c = &self.cfg;
+        let bin = match pool {
+            Pool::Prefill => "pdserve-prefill",
+            Pool::Decode => "pdserve-decode",
+        };
+        let mut cmd = Command::new(c.bin_dir.join(bin));
+        cmd.arg("--model")
+            .arg(&c.model)
+            .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(["--weights", &c.weights])
+            .args(["--threads", &c.threads.to_string()])
+            .args(["--router-url", &c.router_url])
+            // The router's own settings must not leak into the worker.
+            .env_remove("PDSERVE_PUBLIC_URL")
+            .env_remove("PDSERVE_HOST")
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        if pool == Pool::Decode {
+            cmd.args(["--kv-cache-tokens", &c.kv_cache_tokens.to_string()]);
+        }
+        if c.pin {
+            pin_to_cores(&mut cmd, ordinal * c.threads, c.threads);
+        }
+        cmd
+    }
+
+    /// Runs one worker until stopped, restarting it when it exits on its own.
+    async fn supervise(self: Arc<Self>, pool: Pool, ordinal: usize, stop: CancellationToken) {
+        let mut backoff = Duration::from_millis(500);
+        loop {
+            let mut child = match self.command(pool, ordinal).spawn() {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!(?pool, dir = %self.cfg.bin_dir.display(), "cannot start a worker: {e}");
+                    if sleep_or_stop(&stop, backoff).await {
+                        return;
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                    continue;
+                }
+            };
+            tracing::info!(?pool, pid = child.id(), "local worker started");
+            let started = tokio::time::Instant::now();
+            tokio::select! {
+                status = child.wait() => {
+                    log_exit(pool, status);
+                    // A worker that ran a while gets a fresh backoff.
+                    if started.elapsed() > Duration::from_secs(60) {
+                        backoff = Duration::from_millis(500);
+                    }
+                    if sleep_or_stop(&stop, backoff).await {
+                        return;
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                }
+                _ = stop.cancelled() => {
+                    self.terminate(pool, &mut child).await;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// SIGTERM (the worker drains), then SIGKILL after the drain deadline.
+    async fn terminate(&self, pool: Pool, child: &mut Child) {
+        if let Some(pid) = child.id() {
+            // SAFETY: kill(2) on our own child's pid has no memory effects.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGTERM);
+            }
+        }
+        let grace = self.cfg.drain + Duration::from_secs(5);
+        match tokio::time::timeout(grace, child.wait()).await {
+            Ok(status) => log_exit(pool, status),
+            Err(_) => {
+                tracing::warn!(?pool, "worker did not drain in time: killed");
+                let _ = child.kill().await;
+            }
+        }
+    }
+
+    /// Stops every worker (they drain in parallel) and waits for them.
+    pub async fn shutdown(&self) {
+        let slots: Vec<Slot> = std::mem::take(&mut *self.slots());
+        for s in &slots {
+            s.stop.cancel();
+        }
+        for s in slots {
+            let _ = s.task.await;
+        }
+    }
+}
+
+/// True when stopped during the sleep.
+async fn sleep_or_stop(stop: &CancellationToken, d: Duration) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => true,
+        _ = tokio::time::sleep(d) => false,
+    }
+}
+
+fn log_exit(pool: Pool, status: std::io::Result<ExitStatus>) {
+    match status {
+        Ok(s) if s.success() => tracing::info!(?pool, "local worker exited"),
+        Ok(s) => tracing::warn!(?pool, %s, "local worker exited"),
+        Err(e) => tracing::warn!(?pool, "waiting for a local worker failed: {e}"),
+    }
+}
+
+/// Restricts the child to cores `first .. first + n` (mod the core count).
+fn pin_to_cores(cmd: &mut Command, first: usize, n: usize) {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let set: Vec<usize> = (first..first + n).map(|c| c % cores).collect();
+    // SAFETY: the closure runs in the child between fork and exec and only
+    // calls sched_setaffinity(2), which is async-signal-safe; the cpu_set_t
+    // lives on the child's stack.
+    unsafe {
+        cmd.pre_exec(move || {
+            let mut mask: libc::cpu_set_t = std::mem::zeroed();
+            for &c in &set {
+                libc::CPU_SET(c, &mut mask);
+            }
+            // Best effort: a failure (e.g. a restricted cpuset) leaves the default.
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mask);
+            Ok(())
+        });
+    }
+}
