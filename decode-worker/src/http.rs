@@ -25,6 +25,8 @@ use tokio::sync::mpsc;
 use crate::engine::{Job, Start};
 use crate::state::{AppState, Pending};
 
+/// How often a reservation waiting for KV checks its lease and its client.
+const LEASE_POLL: Duration = Duration::from_millis(200);
 /// Largest generate request body (a prompt of token ids).
 const MAX_BODY_BYTES: usize = 8 << 20;
 
@@ -104,17 +106,33 @@ async fn generate(
     Ok(stream_events(rx))
 }
 
-/// Releases a remote reservation whose KV has not arrived in time. It holds
-/// no sender of the stream, so a finished stream ends at once.
+/// Releases a remote reservation whose KV has not arrived in time, or whose
+/// client (the router) has gone away while waiting. It holds no sender of
+/// the stream, so a finished stream ends at once; it polls instead.
 async fn lease(state: Arc<AppState>, id: String, within: Duration) {
-    tokio::time::sleep(within).await;
-    // Absent: the KV is being ingested or has been admitted; the ingest owns it now.
-    if let Some(p) = state.pending().remove(&id) {
-        tracing::warn!(request_id = %id, "KV lease expired: releasing the reservation");
-        let _ = p.events.send(GenerateEvent::Error(ErrorBody::retryable(
-            "kv_lease_expired",
-            format!("the KV did not arrive within {} ms", within.as_millis()),
-        )));
+    let until = tokio::time::Instant::now() + within;
+    let mut tick = tokio::time::interval(LEASE_POLL);
+    loop {
+        tick.tick().await;
+        let expired = tokio::time::Instant::now() >= until;
+        let mut map = state.pending();
+        // Absent: the KV is being ingested or has been admitted; the ingest owns it now.
+        let abandoned = map.get(&id).is_some_and(|p| p.events.is_closed());
+        if abandoned {
+            map.remove(&id);
+            tracing::info!(request_id = %id, "the client left while waiting for KV: reservation released");
+            return;
+        }
+        if expired {
+            if let Some(p) = map.remove(&id) {
+                tracing::warn!(request_id = %id, "KV lease expired: releasing the reservation");
+                let _ = p.events.send(GenerateEvent::Error(ErrorBody::retryable(
+                    "kv_lease_expired",
+                    format!("the KV did not arrive within {} ms", within.as_millis()),
+                )));
+            }
+            return;
+        }
     }
 }
 

@@ -319,3 +319,14 @@ async fn health_ready_and_load() {
     let resp = post(&w.url, &request("d1", prompt(4, 0), 2, KvSource::Local)).await;
     assert_eq!(resp.status(), 503, "a draining worker refuses new work");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_while_waiting_for_kv_frees_the_reservation_at_once() {
+    let w = start(&[]).await;
+    // A lease far longer than the test: only the disconnect can free it.
+    let (lines, _url) = reserve_remote(&w, "gone-1", &prompt(5, 2), 4, 600_000).await;
+    assert!(load(&w.url).await["kv_used_tokens"].as_u64().unwrap() > 0);
+    drop(lines);
+    assert!(wait_kv_free(&w.url).await);
+    assert!(w.state.pending().is_empty());
+}

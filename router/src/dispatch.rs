@@ -130,10 +130,10 @@ impl Dispatcher {
         let deadline = tokio::time::Instant::now() + self.cfg.request_timeout;
         let local = self.local_prefill(req.prompt.len())?;
         let decode = self.open_decode(&req, local).await?;
-        self.metrics
-            .stage
-            .with_label_values(&[labels::STAGE_DECODE_RESERVE])
-            .observe(started.elapsed().as_secs_f64());
+        self.observe_stage(
+            labels::STAGE_DECODE_RESERVE,
+            started.elapsed().as_secs_f64(),
+        );
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         let prefill = match (&decode.kv_url, local) {
             (Some(kv_url), false) => {
@@ -361,15 +361,9 @@ impl Dispatcher {
     }
 
     fn observe_prefill(&self, r: &PrefillResult, total: Duration) {
-        let stage = |name: &str, secs: f64| {
-            self.metrics
-                .stage
-                .with_label_values(&[name])
-                .observe(secs.max(0.0));
-        };
-        stage(labels::STAGE_PREFILL_QUEUE, r.queue_seconds);
-        stage(labels::STAGE_PREFILL, r.compute_seconds);
-        stage(
+        self.observe_stage(labels::STAGE_PREFILL_QUEUE, r.queue_seconds);
+        self.observe_stage(labels::STAGE_PREFILL, r.compute_seconds);
+        self.observe_stage(
             labels::STAGE_KV_TRANSFER,
             total.as_secs_f64() - r.queue_seconds - r.compute_seconds,
         );
@@ -385,8 +379,9 @@ impl Dispatcher {
         deadline: tokio::time::Instant,
     ) {
         let reserved = Instant::now();
+        let local = prefill.is_none();
+        let mut first_token: Option<Instant> = None;
         let mut prefilled: Option<Instant> = None;
-        let mut first = true;
         loop {
             let event = tokio::select! {
                 biased;
@@ -394,7 +389,14 @@ impl Dispatcher {
                 r = async { (&mut prefill.as_mut().expect("guarded").0).await }, if prefill.is_some() => {
                     prefill = None;
                     match r {
-                        Ok(Ok(_)) => { prefilled = Some(Instant::now()); continue }
+                        Ok(Ok(_)) => {
+                            // The answer can lag the last KV frame: the token may be out already.
+                            match first_token {
+                                Some(_) => self.observe_stage(labels::STAGE_FIRST_DECODE, 0.0),
+                                None => prefilled = Some(Instant::now()),
+                            }
+                            continue
+                        }
                         Ok(Err(e)) => Err(e),
                         Err(_) => Err(ApiError::Internal("the prefill task failed".into())),
                     }
@@ -415,15 +417,19 @@ impl Dispatcher {
                     logprob,
                     top_logprobs,
                 }) => {
-                    if std::mem::take(&mut first) {
-                        let (stage, since) = match prefilled {
-                            Some(t) => (labels::STAGE_FIRST_DECODE, t),
-                            None => (labels::STAGE_PREFILL, reserved),
-                        };
-                        self.metrics
-                            .stage
-                            .with_label_values(&[stage])
-                            .observe(since.elapsed().as_secs_f64());
+                    if first_token.is_none() {
+                        first_token = Some(Instant::now());
+                        match (local, prefilled) {
+                            (true, _) => self.observe_stage(
+                                labels::STAGE_PREFILL,
+                                reserved.elapsed().as_secs_f64(),
+                            ),
+                            (false, Some(t)) => self.observe_stage(
+                                labels::STAGE_FIRST_DECODE,
+                                t.elapsed().as_secs_f64(),
+                            ),
+                            (false, None) => {}
+                        }
                     }
                     Ok(SeqEvent::Token {
                         id,
@@ -444,10 +450,29 @@ impl Dispatcher {
                 Err(e) => Err(e),
             };
             let done = !matches!(out, Ok(SeqEvent::Token { .. }));
+            if done && out.is_ok() {
+                // The KV arrived (the decode finished), but the prefill
+                // worker's answer may still be on its way: let it land, for
+                // the stage metrics, rather than cancel a finished job.
+                if let Some(mut p) = prefill.take() {
+                    if let Ok(Ok(Ok(_))) =
+                        tokio::time::timeout(Duration::from_secs(2), &mut p.0).await
+                    {
+                        self.observe_stage(labels::STAGE_FIRST_DECODE, 0.0);
+                    }
+                }
+            }
             if tx.send(out).await.is_err() || done {
                 return;
             }
         }
+    }
+
+    fn observe_stage(&self, stage: &str, secs: f64) {
+        self.metrics
+            .stage
+            .with_label_values(&[stage])
+            .observe(secs.max(0.0));
     }
 }
 

@@ -130,6 +130,7 @@ impl Supervisor {
             .args(["--weights", &c.weights])
             .args(["--threads", &c.threads.to_string()])
             .args(["--router-url", &c.router_url])
+            .args(["--drain-seconds", &c.drain.as_secs().to_string()])
             // The router's own settings must not leak into the worker.
             .env_remove("PDSERVE_PUBLIC_URL")
             .env_remove("PDSERVE_HOST")

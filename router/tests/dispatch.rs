@@ -1,0 +1,212 @@
+//! Dispatch across the pools: modes give the same tokens, failed prefill
+//! workers are retried invisibly, and a client that goes away frees its KV.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::{get, post as route_post};
+use axum::Json;
+use common::*;
+use futures_util::StreamExt;
+use pdserve_protocol::internal::LoadReport;
+use serde_json::json;
+
+async fn text(url: &str, prompt: &str, extra: serde_json::Value) -> String {
+    let (s, v) = post_json(url, "/v1/completions", &completion_body(prompt, extra)).await;
+    assert_eq!(s, 200, "{v}");
+    v["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0.0, |v| v.parse().unwrap())
+}
+
+async fn router_metrics(url: &str) -> String {
+    reqwest::get(format!("{url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregated_and_disaggregated_give_the_same_tokens() {
+    let c = cluster(Opts {
+        router_args: &["--mode", "disaggregated"],
+        ..Default::default()
+    })
+    .await;
+    let p = c.model_path.to_str().unwrap();
+    let (agg, _) = router(
+        p,
+        &c.prefill_urls,
+        &c.decode_urls,
+        &["--mode", "aggregated"],
+    )
+    .await;
+    let prompts = ["The quick brown fox jumps", "A", &"long prompt ".repeat(40)];
+    for (i, prompt) in prompts.iter().enumerate() {
+        for extra in [
+            json!({"max_tokens": 16, "ignore_eos": true}),
+            json!({"max_tokens": 16, "ignore_eos": true, "temperature": 0.9, "seed": i}),
+        ] {
+            let d = text(&c.url, prompt, extra.clone()).await;
+            let a = text(&agg, prompt, extra.clone()).await;
+            assert_eq!(d, a, "prompt {i}, {extra}");
+        }
+    }
+    let m = router_metrics(&c.url).await;
+    assert!(
+        metric(
+            &m,
+            "pdserve_request_stage_seconds_count{stage=\"kv_transfer\"}"
+        ) >= 6.0,
+        "{m}"
+    );
+    let m = router_metrics(&agg).await;
+    assert_eq!(
+        metric(
+            &m,
+            "pdserve_request_stage_seconds_count{stage=\"kv_transfer\"}"
+        ),
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_mode_prefills_short_prompts_locally() {
+    let c = cluster(Opts {
+        router_args: &["--mode", "auto", "--local-prefill-max-tokens", "16"],
+        ..Default::default()
+    })
+    .await;
+    text(&c.url, "Hi", json!({"max_tokens": 2})).await;
+    let m = router_metrics(&c.url).await;
+    assert_eq!(
+        metric(
+            &m,
+            "pdserve_request_stage_seconds_count{stage=\"kv_transfer\"}"
+        ),
+        0.0
+    );
+    text(
+        &c.url,
+        &"many words here ".repeat(10),
+        json!({"max_tokens": 2}),
+    )
+    .await;
+    let m = router_metrics(&c.url).await;
+    assert_eq!(
+        metric(
+            &m,
+            "pdserve_request_stage_seconds_count{stage=\"kv_transfer\"}"
+        ),
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_that_dies_mid_job_is_retried_on_another() {
+    // Looks healthy, but drops the connection on every job, as a worker
+    // killed mid-prefill would.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let load = LoadReport {
+        ready: true,
+        ..Default::default()
+    };
+    let dying = axum::Router::new()
+        .route("/load", get(move || async move { Json(load.clone()) }))
+        .route(
+            "/v1/internal/prefill",
+            route_post(move || async move {
+                counter.fetch_add(1, Ordering::SeqCst);
+                panic!("killed mid-job");
+                #[allow(unreachable_code)]
+                ()
+            }),
+        );
+    let dying = serve(dying).await;
+    let c = cluster(Opts {
+        extra_prefill: vec![dying],
+        router_args: &["--mode", "disaggregated", "--prefill-policy", "round-robin"],
+        ..Default::default()
+    })
+    .await;
+    wait_until(Duration::from_secs(5), || async {
+        c.router
+            .registry
+            .candidates(pdserve_protocol::internal::Pool::Prefill, None)
+            .len()
+            == 2
+    })
+    .await;
+    let reference = text(
+        &c.url,
+        "Some prompt that is prefilled",
+        json!({"max_tokens": 8, "ignore_eos": true}),
+    )
+    .await;
+    for _ in 0..4 {
+        let t = text(
+            &c.url,
+            "Some prompt that is prefilled",
+            json!({"max_tokens": 8, "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(t, reference);
+    }
+    assert!(
+        calls.load(Ordering::SeqCst) >= 1,
+        "the dying worker was never tried"
+    );
+    let m = router_metrics(&c.url).await;
+    assert!(metric(&m, "pdserve_prefill_retries_total") >= 1.0, "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_frees_its_kv() {
+    for mode in ["aggregated", "disaggregated"] {
+        let c = cluster(Opts {
+            router_args: &["--mode", mode],
+            ..Default::default()
+        })
+        .await;
+        let decode = c.decode[0].clone();
+        let body = chat_body(
+            "x",
+            json!({"stream": true, "max_tokens": 400, "ignore_eos": true}),
+        );
+        let resp = post(&c.url, "/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 200);
+        let mut chunks = resp.bytes_stream();
+        let _first = chunks.next().await.unwrap().unwrap();
+        assert!(
+            decode.pool.usage().reserved_tokens > 0,
+            "{mode}: KV is reserved while streaming"
+        );
+        drop(chunks);
+        wait_until(Duration::from_secs(10), || {
+            let d = decode.clone();
+            async move { d.pool.usage().reserved_tokens == 0 }
+        })
+        .await;
+        let m = router_metrics(&c.url).await;
+        assert_eq!(metric(&m, "pdserve_requests_in_flight"), 0.0, "{mode}");
+        assert_eq!(
+            metric(
+                &m,
+                "pdserve_requests_total{endpoint=\"chat\",status=\"cancelled\"}"
+            ),
+            1.0,
+            "{mode}"
+        );
+    }
+}

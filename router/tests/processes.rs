@@ -1,0 +1,266 @@
+//! The system as `deploy/local/up.sh` runs it: the router binary with its
+//! local supervisor starting real worker processes. On the tiny model: a
+//! killed worker is survived and restarted, and SIGTERM stops everything.
+//! On the real model (whenever its file is present): the official `openai`
+//! Python SDK against the cluster.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+const REAL_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+fn in_ci() -> bool {
+    std::env::var_os("CI").is_some()
+}
+
+/// The worker binaries sit next to the router's when the workspace is built.
+fn workers_built() -> bool {
+    let dir = Path::new(env!("CARGO_BIN_EXE_pdserve-router"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let ok = ["pdserve-prefill", "pdserve-decode"]
+        .iter()
+        .all(|b| dir.join(b).exists());
+    assert!(
+        ok || !in_ci(),
+        "the worker binaries are missing next to pdserve-router"
+    );
+    if !ok {
+        eprintln!("skipped: build the workspace first (cargo test --release --workspace)");
+    }
+    ok
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Router {
+    child: Child,
+    url: String,
+}
+
+impl Router {
+    fn start(model: &Path, name: &str, extra: &[&str]) -> Self {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_pdserve-router"))
+            .args(["--port", &port.to_string(), "--served-model-name", name])
+            .arg("--model")
+            .arg(model)
+            .args([
+                "--local-prefill",
+                "1",
+                "--local-decode",
+                "1",
+                "--drain-seconds",
+                "5",
+            ])
+            .args(["--health-interval-ms", "100"])
+            .args(extra)
+            .env("PDSERVE_LOG", "warn")
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+        }
+    }
+
+    async fn wait_ready(&self, within: Duration) {
+        let url = format!("{}/ready", self.url);
+        wait_until(within, || async {
+            let r = reqwest::get(&url).await;
+            r.map(|r| r.status() == 200).unwrap_or(false)
+        })
+        .await;
+    }
+
+    fn workers(&self) -> Vec<u32> {
+        children_of(self.child.id())
+    }
+
+    fn signal(&self, pid: u32, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        let workers = self.workers();
+        let _ = self.child.kill();
+        for pid in workers {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+    }
+}
+
+/// Live child processes of `parent`, from /proc.
+fn children_of(parent: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid ...: comm may contain spaces, so split after ')'.
+        let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if fields.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(parent) && fields[0] != "Z" {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+async fn chat_ok(url: &str, model: &str) -> String {
+    let body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Write a long story about a dog."}],
+        "max_tokens": 6,
+        "temperature": 0,
+    });
+    let (s, v) = post_json(url, "/v1/chat/completions", &body).await;
+    assert_eq!(s, 200, "{v}");
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_cluster_survives_a_killed_worker_and_stops_on_sigterm() {
+    if !workers_built() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    pdserve_engine::testing::write_tiny_gguf(&model, &Default::default()).unwrap();
+    let router = Router::start(
+        &model,
+        MODEL,
+        &["--mode", "auto", "--local-prefill-max-tokens", "4"],
+    );
+    router.wait_ready(Duration::from_secs(60)).await;
+    wait_until(Duration::from_secs(30), || async {
+        router.workers().len() == 2
+    })
+    .await;
+    let before = chat_ok(&router.url, MODEL).await;
+
+    // Kill one worker outright: requests keep succeeding (in auto mode the
+    // decode worker prefills while the prefill pool is empty), and the
+    // supervisor starts a new one.
+    let victims = router.workers();
+    router.signal(victims[0], "-KILL");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let now = router.workers();
+        if now.len() == 2 && !now.contains(&victims[0]) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the killed worker was not restarted"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    router.wait_ready(Duration::from_secs(60)).await;
+    wait_until(Duration::from_secs(30), || async {
+        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a dog."}], "max_tokens": 6, "temperature": 0});
+        post(&router.url, "/v1/chat/completions", &body).await.status() == 200
+    })
+    .await;
+    assert_eq!(chat_ok(&router.url, MODEL).await, before);
+
+    // SIGTERM: the router drains, stops its workers, and exits cleanly.
+    let mut router = router;
+    let workers = router.workers();
+    router.signal(router.child.id(), "-TERM");
+    let until = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = router.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < until, "the router did not stop");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status}");
+    for pid in workers {
+        let proc_dir = format!("/proc/{pid}");
+        wait_until(Duration::from_secs(5), || {
+            let gone = !Path::new(&proc_dir).exists();
+            async move { gone }
+        })
+        .await;
+    }
+}
+
+fn real_model() -> Option<PathBuf> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models")
+        .join(REAL_MODEL);
+    path.exists().then_some(path)
+}
+
+fn python_with_openai() -> Option<String> {
+    let python = std::env::var("PDSERVE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&python)
+        .args(["-c", "import openai"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok || !in_ci(),
+        "CI installs the openai package; `{python} -c 'import openai'` failed"
+    );
+    ok.then_some(python)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_python_sdk_works_against_the_real_model() {
+    let Some(model) = real_model() else {
+        eprintln!("skipped: {REAL_MODEL} is not present (deploy/local/fetch-model.sh)");
+        return;
+    };
+    let Some(python) = python_with_openai() else {
+        eprintln!("skipped: the openai Python package is not installed");
+        return;
+    };
+    if !workers_built() {
+        return;
+    }
+    let name = "smollm2";
+    let router = Router::start(&model, name, &[]);
+    router.wait_ready(Duration::from_secs(120)).await;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_sdk.py");
+    let out = tokio::process::Command::new(python)
+        .arg(script)
+        .args([&format!("{}/v1", router.url), name])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("all openai SDK checks passed"), "{stdout}");
+}
