@@ -198,7 +198,9 @@ impl Dispatcher {
         let url = format!("{}/v1/internal/generate", w.url);
         let resp = self.post(Pool::Decode, &w.url, &url, body).await?;
         let mut reader = LineReader::new(resp);
-        match reader.next::<GenerateEvent>().await {
+        let first = tokio::time::timeout(CONNECT_TIMEOUT, reader.next::<GenerateEvent>()).await;
+        let first = first.map_err(|_| self.upstream(Pool::Decode, format!("{} sent no reservation", w.url)))?;
+        match first {
             Ok(Some(GenerateEvent::Reserved { kv_url })) => Ok(Decode {
                 url: w.url.clone(),
                 reader,
