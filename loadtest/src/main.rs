@@ -3,6 +3,7 @@
 
 mod engine_bench;
 mod kv_bench;
+mod run;
 
 use clap::{Parser, Subcommand};
 
@@ -15,6 +16,9 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Load an OpenAI-compatible server (or several, side by side) and report
+    /// latency percentiles, throughput and goodput.
+    Run(Box<run::RunArgs>),
     /// Benchmark the engine in-process: prefill and batched-decode throughput.
     Engine(engine_bench::EngineArgs),
     /// Benchmark moving one sequence's KV: export, wire encode/decode, import.
@@ -23,6 +27,12 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Command::Run(args) => {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(run::run(*args)).map(|_| ())
+        }
         Command::Engine(args) => engine_bench::run(args),
         Command::Kv(args) => kv_bench::run(args),
     }
