@@ -2,6 +2,7 @@
 //! layer's KV is framed and handed to the HTTP upload as soon as the forward
 //! pass has written it, so the transfer overlaps the rest of the compute.
 
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -162,7 +163,7 @@ impl Worker {
         let mut logits = Vec::new();
         for (c, chunk) in prompt.chunks(self.cfg.chunk_tokens.max(1)).enumerate() {
             if task.cancel.is_cancelled() {
-                return Err(ErrorBody::fatal("cancelled", "the job was cancelled"));
+                return Err(cancelled());
             }
             let start = c * self.cfg.chunk_tokens.max(1);
             logits = self.forward_chunk(task, &mut kv, chunk, start, &mut sent)?;
@@ -215,7 +216,9 @@ impl Worker {
         })
     }
 
-    /// One forward pass over `chunk`; frames each layer as soon as it is written.
+    /// One forward pass over `chunk`; frames each layer as soon as it is
+    /// written, and stops between layers once the job is cancelled or its
+    /// upload has failed.
     fn forward_chunk(
         &self,
         task: &Task,
@@ -226,24 +229,30 @@ impl Worker {
     ) -> Result<Vec<f32>, ErrorBody> {
         let mut failure: Option<ErrorBody> = None;
         let mut on_layer = |layer: usize, segs: &[Segment<'_>]| {
-            if failure.is_some() {
-                return;
-            }
-            match self.frame(segs[0].kv, layer, start, chunk.len()) {
-                Ok(f) => match self.send(task, f) {
-                    Ok(n) => *sent += n,
-                    Err(e) => failure = Some(e),
-                },
-                Err(e) => failure = Some(e),
+            let step = match task.cancel.is_cancelled() {
+                true => Err(cancelled()),
+                false => self
+                    .frame(segs[0].kv, layer, start, chunk.len())
+                    .and_then(|f| self.send(task, f)),
+            };
+            match step {
+                Ok(n) => {
+                    *sent += n;
+                    ControlFlow::Continue(())
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    ControlFlow::Break(())
+                }
             }
         };
-        let logits = self
+        let result = self
             .model
-            .forward(&mut [Segment { kv, tokens: chunk }], &mut on_layer)
-            .map_err(|e| ErrorBody::fatal(e.kind(), e.to_string()))?;
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(logits.row(0).to_vec()),
+            .forward(&mut [Segment { kv, tokens: chunk }], &mut on_layer);
+        match (result, failure) {
+            (_, Some(e)) => Err(e),
+            (Ok(logits), None) => Ok(logits.row(0).to_vec()),
+            (Err(e), None) => Err(ErrorBody::fatal(e.kind(), e.to_string())),
         }
     }
 
@@ -295,6 +304,11 @@ impl Worker {
         self.metrics.kv_transfer_bytes.inc_by(n);
         Ok(n)
     }
+}
+
+/// The error of a job cancelled by `DELETE` or by its caller going away.
+pub fn cancelled() -> ErrorBody {
+    ErrorBody::fatal("cancelled", "the job was cancelled")
 }
 
 fn wire(e: kvwire::KvWireError) -> ErrorBody {
