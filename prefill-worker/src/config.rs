@@ -24,6 +24,14 @@ pub struct Args {
     /// Prompt tokens per forward pass; longer prompts run in chunks.
     #[arg(long, env = "PDSERVE_PREFILL_CHUNK_TOKENS", default_value_t = 512)]
     pub prefill_chunk_tokens: usize,
+    /// Prompt tokens one batched forward pass may hold: while jobs are
+    /// queued, short prompts are run together up to this total (default:
+    /// --prefill-chunk-tokens).
+    #[arg(long, env = "PDSERVE_PREFILL_BATCH_TOKENS")]
+    pub prefill_batch_tokens: Option<usize>,
+    /// Jobs per batched forward pass at most (1 turns batching off).
+    #[arg(long, env = "PDSERVE_PREFILL_BATCH_MAX_JOBS", default_value_t = 8)]
+    pub prefill_batch_max_jobs: usize,
     /// Jobs that may wait before new ones are refused.
     #[arg(long, env = "PDSERVE_MAX_QUEUE", default_value_t = 64)]
     pub max_queue: usize,

@@ -18,6 +18,8 @@ const LAYERS: usize = 6;
 fn engine(t: &Tiny) -> EngineHandle {
     let cfg = EngineConfig {
         chunk_tokens: 512,
+        batch_tokens: 512,
+        max_batch_jobs: 8,
         queue_capacity: 8,
         kv_dtype: KvDtype::F32,
         peak_flops: 1e9,
