@@ -72,12 +72,15 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
+    /// Starts the model thread. Call it inside a Tokio runtime: the thread
+    /// uses the runtime's timer to bound its wait for a slow upload.
     pub fn spawn(model: Arc<Model>, cfg: EngineConfig, metrics: Arc<PrefillMetrics>) -> Self {
         let (tx, rx) = mpsc::channel(cfg.queue_capacity.max(1));
         let stats = Arc::new(QueueStats::default());
         // Room for a full batch of prompts, or one whole prompt.
         let kv_budget = model.config().context_length.max(cfg.batch_tokens);
         let worker = Worker {
+            rt: tokio::runtime::Handle::current(),
             pool: KvPool::new(model.kv_layout(), kv_budget),
             model,
             cfg,
@@ -103,6 +106,7 @@ impl EngineHandle {
 }
 
 pub(crate) struct Worker {
+    pub(crate) rt: tokio::runtime::Handle,
     pub(crate) model: Arc<Model>,
     pub(crate) pool: KvPool,
     pub(crate) cfg: EngineConfig,

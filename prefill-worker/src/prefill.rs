@@ -13,7 +13,7 @@ use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
 use pdserve_engine::{EngineError, Segment, SeqKv};
 use pdserve_protocol::internal::{ErrorBody, PrefillJob};
 use pdserve_protocol::kvwire::{self, KvHeader, KvTrailer};
-use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
 
 use crate::engine::{cancelled, Computed, Task, Worker};
 
@@ -264,27 +264,33 @@ impl Worker {
         Ok(Bytes::from(out))
     }
 
-    /// Hands a frame to the upload; waits when the network is slower than compute.
+    /// Hands a frame to the upload. When the network is slower than compute
+    /// this blocks until the upload takes it, the job is cancelled, or the
+    /// job's deadline passes, whichever comes first.
     fn send(&self, task: &Task, frame: Bytes) -> Result<u64, ErrorBody> {
         let n = frame.len() as u64;
-        let deadline = Duration::from_millis(task.job.deadline_ms.max(1));
-        let started = Instant::now();
-        let mut frame = Some(frame);
-        while let Some(f) = frame.take() {
-            match task.frames.try_send(f) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(f))
-                    if started.elapsed() < deadline && !task.cancel.is_cancelled() =>
-                {
-                    frame = Some(f);
-                    std::thread::sleep(Duration::from_micros(200));
-                }
-                Err(_) => {
-                    return Err(ErrorBody::retryable(
-                        "kv_upload_failed",
-                        "the KV upload to the decode worker stopped",
-                    ))
-                }
+        let stopped = || {
+            ErrorBody::retryable(
+                "kv_upload_failed",
+                "the KV upload to the decode worker stopped",
+            )
+        };
+        match task.frames.try_send(frame) {
+            Ok(()) => {}
+            Err(TrySendError::Closed(_)) => return Err(stopped()),
+            Err(TrySendError::Full(frame)) => {
+                let deadline = task.enqueued + Duration::from_millis(task.job.deadline_ms.max(1));
+                self.rt.block_on(async {
+                    tokio::select! {
+                        biased;
+                        _ = task.cancel.cancelled() => Err(cancelled()),
+                        r = task.frames.send(frame) => r.map_err(|_| stopped()),
+                        _ = tokio::time::sleep_until(deadline.into()) => Err(ErrorBody::retryable(
+                            "deadline_exceeded",
+                            "the KV upload fell behind the job's deadline",
+                        )),
+                    }
+                })?;
             }
         }
         self.metrics.kv_transfer_bytes.inc_by(n);

@@ -1,5 +1,6 @@
-//! Cancelling a running prefill: the engine stops between layers, and a
-//! `DELETE` ends the job with a `cancelled` error.
+//! Stopping a running prefill: the engine stops between layers when the job
+//! is cancelled, a `DELETE` ends the job with a `cancelled` error, and an
+//! upload that stalls ends the job at its deadline.
 
 mod common;
 
@@ -50,6 +51,40 @@ async fn a_cancelled_job_stops_between_layers_of_one_chunk() {
         rest.len()
     );
     assert_eq!(engine.in_flight(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_upload_fails_at_the_deadline_and_the_engine_goes_on() {
+    let t = tiny(&TinyModelSpec {
+        n_layers: LAYERS,
+        ..Default::default()
+    });
+    let engine = engine(&t);
+    let mut stalled = job("stall", prompt(20, 2), "http://unused");
+    stalled.deadline_ms = 300;
+    // Nobody reads past the header: the engine waits on a full channel.
+    let (task1, mut ends) = task(stalled, 1);
+    let started = std::time::Instant::now();
+    engine.submit(task1).unwrap();
+    let _header = within(ends.frames.recv()).await.unwrap();
+    let err = within(&mut ends.reply).await.unwrap().unwrap_err();
+    let waited = started.elapsed();
+    assert_eq!(err.kind, "deadline_exceeded", "{err:?}");
+    assert!(
+        waited >= std::time::Duration::from_millis(300),
+        "failed after {waited:?}, before the deadline"
+    );
+    // The model thread is free again: the next job completes.
+    let (task2, ends2) = task(job("next", prompt(20, 3), "http://unused"), 64);
+    engine.submit(task2).unwrap();
+    let (frames, reply) = ends2.finish().await;
+    reply.unwrap();
+    assert_eq!(
+        frames.len(),
+        1 + LAYERS + 1,
+        "header, one frame per layer, end"
+    );
+    drop(ends);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
