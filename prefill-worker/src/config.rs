@@ -4,6 +4,7 @@ use clap::Parser;
 use pdserve_engine::args::ModelArgs;
 use pdserve_engine::KvDtype;
 use pdserve_runtime::registration::RegistrationArgs;
+use pdserve_runtime::shutdown::DrainArgs;
 use pdserve_runtime::telemetry::TelemetryArgs;
 
 /// pdserve prefill worker.
@@ -41,9 +42,8 @@ pub struct Args {
     /// Peak matmul throughput of this machine in GFLOP/s, for the FLOPs-utilisation (MFU) estimate.
     #[arg(long, env = "PDSERVE_PEAK_GFLOPS", default_value_t = 410.0)]
     pub peak_gflops: f64,
-    /// Seconds to let queued and running jobs finish after SIGTERM.
-    #[arg(long, env = "PDSERVE_DRAIN_SECONDS", default_value_t = 30)]
-    pub drain_seconds: u64,
+    #[command(flatten)]
+    pub drain: DrainArgs,
     #[command(flatten)]
     pub registration: RegistrationArgs,
     #[command(flatten)]

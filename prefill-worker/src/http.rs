@@ -38,6 +38,11 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// Jobs queued, running, or still delivering their KV.
+    pub fn in_flight(&self) -> u64 {
+        self.jobs().len() as u64
+    }
+
     fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
         self.jobs.lock().unwrap_or_else(|p| p.into_inner())
     }
