@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use pdserve_engine::{every_layer, KvPool, LoadOptions, Model, Segment, WeightFormat};
+use pdserve_engine::{every_layer, KvPool, LoadOptions, Model, Segment, SeqKv, WeightFormat};
 use serde::Serialize;
 
 use crate::engine_bench::synthetic_prompt;
@@ -102,10 +102,7 @@ pub fn run(args: BatchArgs) -> Result<()> {
 
 /// All prompts as segments of one forward pass; their logits and the seconds taken.
 fn batched(model: &Model, pool: &KvPool, prompts: &[Vec<u32>]) -> Result<(Vec<Vec<f32>>, f64)> {
-    let mut kvs = prompts
-        .iter()
-        .map(|p| pool.allocate(p.len()))
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut kvs = allocate(pool, prompts)?;
     let t = Instant::now();
     let mut segs: Vec<Segment> = kvs
         .iter_mut()
@@ -118,10 +115,7 @@ fn batched(model: &Model, pool: &KvPool, prompts: &[Vec<u32>]) -> Result<(Vec<Ve
 
 /// One prefill per prompt, one after another.
 fn one_by_one(model: &Model, pool: &KvPool, prompts: &[Vec<u32>]) -> Result<(Vec<Vec<f32>>, f64)> {
-    let mut kvs = prompts
-        .iter()
-        .map(|p| pool.allocate(p.len()))
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut kvs = allocate(pool, prompts)?;
     let t = Instant::now();
     let logits = kvs
         .iter_mut()
@@ -129,6 +123,13 @@ fn one_by_one(model: &Model, pool: &KvPool, prompts: &[Vec<u32>]) -> Result<(Vec
         .map(|(kv, p)| model.prefill(p, kv))
         .collect::<Result<Vec<_>, _>>()?;
     Ok((logits, t.elapsed().as_secs_f64()))
+}
+
+fn allocate(pool: &KvPool, prompts: &[Vec<u32>]) -> Result<Vec<SeqKv>> {
+    Ok(prompts
+        .iter()
+        .map(|p| pool.allocate(p.len()))
+        .collect::<Result<Vec<_>, _>>()?)
 }
 
 fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {

@@ -9,8 +9,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use common::*;
 use pdserve_engine::testing::TinyModelSpec;
-use pdserve_engine::KvDtype;
-use pdserve_prefill::engine::{EngineConfig, EngineHandle};
+use pdserve_prefill::engine::EngineHandle;
 use pdserve_prefill::metrics::PrefillMetrics;
 use pdserve_protocol::internal::PrefillJob;
 
@@ -22,14 +21,7 @@ struct Bench {
 
 fn start(batch_tokens: usize) -> Bench {
     let tiny = tiny(&TinyModelSpec::default());
-    let cfg = EngineConfig {
-        chunk_tokens: 16,
-        batch_tokens,
-        max_batch_jobs: 8,
-        queue_capacity: 16,
-        kv_dtype: KvDtype::F32,
-        peak_flops: 1e9,
-    };
+    let cfg = engine_config(16, batch_tokens);
     let metrics = Arc::new(PrefillMetrics::new());
     let engine = EngineHandle::spawn(tiny.model.clone(), cfg, metrics.clone());
     Bench {

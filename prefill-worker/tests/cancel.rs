@@ -9,32 +9,26 @@ use std::sync::Arc;
 use clap::Parser;
 use common::*;
 use pdserve_engine::testing::TinyModelSpec;
-use pdserve_engine::KvDtype;
-use pdserve_prefill::engine::{EngineConfig, EngineHandle};
+use pdserve_prefill::engine::EngineHandle;
 use pdserve_prefill::metrics::PrefillMetrics;
 use pdserve_protocol::internal::ErrorBody;
 
 const LAYERS: usize = 6;
 
-fn engine(t: &Tiny) -> EngineHandle {
-    let cfg = EngineConfig {
-        chunk_tokens: 512,
-        batch_tokens: 512,
-        max_batch_jobs: 8,
-        queue_capacity: 8,
-        kv_dtype: KvDtype::F32,
-        peak_flops: 1e9,
-    };
-    EngineHandle::spawn(t.model.clone(), cfg, Arc::new(PrefillMetrics::new()))
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cancelled_job_stops_between_layers_of_one_chunk() {
+/// An engine on a tiny model of `LAYERS` layers.
+fn layered_engine() -> (Tiny, EngineHandle) {
     let t = tiny(&TinyModelSpec {
         n_layers: LAYERS,
         ..Default::default()
     });
-    let engine = engine(&t);
+    let cfg = engine_config(512, 512);
+    let engine = EngineHandle::spawn(t.model.clone(), cfg, Arc::new(PrefillMetrics::new()));
+    (t, engine)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_job_stops_between_layers_of_one_chunk() {
+    let (_t, engine) = layered_engine();
     // Room for one frame: the engine can run at most one layer ahead of us.
     let (task, mut ends) = task(job("c", prompt(40, 0), "http://unused"), 1);
     engine.submit(task).unwrap();
@@ -55,11 +49,7 @@ async fn a_cancelled_job_stops_between_layers_of_one_chunk() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_upload_fails_at_the_deadline_and_the_engine_goes_on() {
-    let t = tiny(&TinyModelSpec {
-        n_layers: LAYERS,
-        ..Default::default()
-    });
-    let engine = engine(&t);
+    let (_t, engine) = layered_engine();
     let mut stalled = job("stall", prompt(20, 2), "http://unused");
     stalled.deadline_ms = 300;
     // Nobody reads past the header: the engine waits on a full channel.

@@ -14,8 +14,9 @@ use axum::routing::post;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use pdserve_engine::testing::{write_tiny_gguf, TinyModelSpec};
+use pdserve_engine::KvDtype;
 use pdserve_engine::{LoadOptions, Model, WeightFormat};
-use pdserve_prefill::engine::{Computed, Task};
+use pdserve_prefill::engine::{Computed, EngineConfig, Task};
 use pdserve_protocol::internal::{ErrorBody, PrefillJob, SamplingSpec};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
@@ -40,6 +41,18 @@ pub fn tiny(spec: &TinyModelSpec) -> Tiny {
         path,
         model,
         _dir: dir,
+    }
+}
+
+/// Engine settings for tests: chunks of `chunk_tokens`, batches up to `batch_tokens`.
+pub fn engine_config(chunk_tokens: usize, batch_tokens: usize) -> EngineConfig {
+    EngineConfig {
+        chunk_tokens,
+        batch_tokens,
+        max_batch_jobs: 8,
+        queue_capacity: 16,
+        kv_dtype: KvDtype::F32,
+        peak_flops: 1e9,
     }
 }
 

@@ -2,17 +2,23 @@
 //! with its address read from its log, SIGTERM, and bounded waits.
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use pdserve_protocol::internal::{ErrorBody, ErrorClass};
 use tokio::sync::oneshot;
+
+/// How long any one wait of these helpers may take.
+pub const WAIT: Duration = Duration::from_secs(30);
 
 /// A running worker process. Dropping it kills the process if it still runs.
 pub struct WorkerProcess {
     pub url: String,
     pid: u32,
     exited: Option<oneshot::Receiver<ExitStatus>>,
+    terminated: Option<Instant>,
     log: Arc<Mutex<String>>,
 }
 
@@ -50,12 +56,43 @@ impl WorkerProcess {
             url: format!("http://{addr}"),
             pid,
             exited: Some(exited),
+            terminated: None,
             log,
         }
     }
 
+    /// Starts a worker binary on `model`, on a free port of 127.0.0.1, with
+    /// one model thread and a drain deadline of `drain_seconds`.
+    pub async fn worker(exe: &str, model: &Path, drain_seconds: u64) -> Self {
+        let (model, drain) = (
+            model.to_str().expect("UTF-8 path"),
+            drain_seconds.to_string(),
+        );
+        let args = [
+            "--model",
+            model,
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--drain-seconds",
+            &drain,
+        ];
+        Self::start(exe, &args, WAIT).await
+    }
+
+    /// Waits (bounded) until `/ready` answers 503; says whether it did.
+    pub async fn turns_unready(&self) -> bool {
+        eventually(WAIT, || async {
+            let r = reqwest::get(format!("{}/ready", self.url)).await;
+            r.map(|r| r.status() == 503).unwrap_or(false)
+        })
+        .await
+    }
+
     /// Sends SIGTERM.
-    pub fn terminate(&self) {
+    pub fn terminate(&mut self) {
+        self.terminated = Some(Instant::now());
         let status = Command::new("kill")
             .args(["-TERM", &self.pid.to_string()])
             .status()
@@ -73,6 +110,14 @@ impl WorkerProcess {
                 self.log()
             ),
         }
+    }
+
+    /// Waits (bounded) for the process to exit with status 0 after
+    /// [`terminate`](Self::terminate); returns the time since the signal.
+    pub async fn exits_cleanly(&mut self) -> Duration {
+        let status = self.exit_status(WAIT).await;
+        assert!(status.success(), "{status:?}\n{}", self.log());
+        self.terminated.expect("terminate() was called").elapsed()
     }
 
     /// Everything the process has logged so far.
@@ -127,4 +172,16 @@ where
         tick.tick().await;
     }
     false
+}
+
+/// Checks that `resp` refuses new work as a draining worker must: 503 with
+/// `Retry-After`, and a retryable `not_ready` error.
+pub async fn assert_refused_while_draining(resp: reqwest::Response) {
+    assert_eq!(resp.status(), 503);
+    assert!(resp.headers().contains_key("retry-after"));
+    let e: ErrorBody = resp.json().await.expect("an error body");
+    assert_eq!(
+        (e.class, e.kind.as_str()),
+        (ErrorClass::Retryable, "not_ready")
+    );
 }
