@@ -36,6 +36,26 @@ impl Member {
     }
 }
 
+/// Takes the KV of the members of `pass` that are still wanted, marking
+/// the ones cancelled since the last pass; returns who they are and their KV.
+fn take_live(tasks: &[Task], members: &mut [Member], pass: &Pass) -> (Pass, Vec<SeqKv>) {
+    let (mut owners, mut kvs) = (Vec::new(), Vec::new());
+    for (i, range) in pass {
+        let m = &mut members[*i];
+        if m.failed.is_none() && tasks[*i].cancel.is_cancelled() {
+            m.failed = Some(cancelled());
+        }
+        if m.failed.is_some() {
+            continue;
+        }
+        if let Some(kv) = m.kv.take() {
+            owners.push((*i, range.clone()));
+            kvs.push(kv);
+        }
+    }
+    (owners, kvs)
+}
+
 /// Splits the live members' prompts into forward passes: several members
 /// share one pass with their whole prompts; one member alone runs in chunks.
 fn plan(lens: &[(usize, usize)], chunk: usize) -> Vec<Pass> {
@@ -102,23 +122,7 @@ impl Worker {
     /// member's new rows of every layer to its own upload. It stops between
     /// layers once no member is left to stream to.
     fn pass(&self, tasks: &[Task], members: &mut [Member], pass: &Pass) {
-        let mut owners = Vec::new();
-        let mut kvs = Vec::new();
-        for (i, m) in members.iter_mut().enumerate() {
-            let Some((_, range)) = pass.iter().find(|(j, _)| *j == i) else {
-                continue;
-            };
-            if m.failed.is_none() && tasks[i].cancel.is_cancelled() {
-                m.failed = Some(cancelled());
-            }
-            if m.failed.is_some() {
-                continue;
-            }
-            if let Some(kv) = m.kv.take() {
-                owners.push((i, range.clone()));
-                kvs.push(kv);
-            }
-        }
+        let (owners, mut kvs) = take_live(tasks, members, pass);
         if owners.is_empty() {
             return;
         }
