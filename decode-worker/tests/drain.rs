@@ -29,8 +29,12 @@ async fn reserve(url: &str, id: &str, n: u32, lease_ms: u64) -> (Lines, String) 
 async fn sigterm_finishes_in_flight_sequences_then_exits() {
     let (_dir, path, model) = tiny_model();
     let mut w = spawn_worker(&path, 30).await;
-    // In flight: a sequence whose KV has not arrived yet.
+    // In flight for sure: a sequence whose KV has not arrived yet. And a
+    // local one that may or may not still be generating at the signal.
     let (mut lines, kv_url) = reserve(&w.url, "inflight", 40, 60_000).await;
+    let local = request("local", prompt(20, 3), 300, KvSource::Local);
+    let local = Lines::new(post(&w.url, &local).await);
+    let local = tokio::spawn(local.all());
     w.terminate();
     assert!(w.turns_unready().await, "/ready turns 503 while draining");
     let refused = post(&w.url, &request("late", prompt(5, 2), 4, KvSource::Local)).await;
@@ -60,6 +64,8 @@ async fn sigterm_finishes_in_flight_sequences_then_exits() {
         ),
         "{events:?}"
     );
+    let local = tokio::time::timeout(WAIT, local).await.unwrap().unwrap();
+    assert_eq!(tokens(&local).len(), 300, "the local sequence finished too");
     let took = w.exits_cleanly().await;
     assert!(
         took < Duration::from_secs(30),
