@@ -27,7 +27,7 @@ pub struct Args {
     pub prefill_chunk_tokens: usize,
     /// Prompt tokens one batched forward pass may hold: while jobs are
     /// queued, short prompts are run together up to this total (default:
-    /// --prefill-chunk-tokens).
+    /// 128, or --prefill-chunk-tokens if smaller).
     #[arg(long, env = "PDSERVE_PREFILL_BATCH_TOKENS")]
     pub prefill_batch_tokens: Option<usize>,
     /// Jobs per batched forward pass at most (1 turns batching off).
@@ -50,10 +50,40 @@ pub struct Args {
     pub telemetry: TelemetryArgs,
 }
 
+/// Batches of short prompts pay on a 2-core CPU up to about this many
+/// tokens; bigger passes are no faster than one prompt after another
+/// (docs/benchmarks.md, "Batching short prompts").
+pub const DEFAULT_BATCH_TOKENS: usize = 128;
+
+impl Args {
+    /// The batched forward pass's token budget.
+    pub fn batch_tokens(&self) -> usize {
+        self.prefill_batch_tokens
+            .unwrap_or(DEFAULT_BATCH_TOKENS.min(self.prefill_chunk_tokens))
+    }
+}
+
 fn parse_dtype(s: &str) -> Result<KvDtype, String> {
     match s {
         "f32" => Ok(KvDtype::F32),
         "f16" => Ok(KvDtype::F16),
         other => Err(format!("unknown KV dtype `{other}` (expected f32 or f16)")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_batch_budget_defaults_to_128_tokens_within_the_chunk() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["p", "--model", "m.gguf"];
+            argv.extend_from_slice(extra);
+            Args::parse_from(argv).batch_tokens()
+        };
+        assert_eq!(parse(&[]), 128);
+        assert_eq!(parse(&["--prefill-chunk-tokens", "64"]), 64);
+        assert_eq!(parse(&["--prefill-batch-tokens", "300"]), 300);
     }
 }

@@ -23,9 +23,7 @@ pub fn build_state(model: Arc<Model>, args: &Args) -> Arc<AppState> {
     let metrics = Arc::new(PrefillMetrics::new());
     let cfg = EngineConfig {
         chunk_tokens: args.prefill_chunk_tokens,
-        batch_tokens: args
-            .prefill_batch_tokens
-            .unwrap_or(args.prefill_chunk_tokens),
+        batch_tokens: args.batch_tokens(),
         max_batch_jobs: args.prefill_batch_max_jobs.max(1),
         queue_capacity: args.max_queue,
         kv_dtype: args.kv_dtype,
