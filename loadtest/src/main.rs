@@ -1,6 +1,7 @@
 //! `pdserve-loadtest`: load generation against OpenAI-compatible servers and
 //! micro-benchmarks of pdserve's own components.
 
+mod batch_bench;
 mod engine_bench;
 mod kv_bench;
 mod run;
@@ -23,6 +24,8 @@ enum Command {
     Engine(engine_bench::EngineArgs),
     /// Benchmark moving one sequence's KV: export, wire encode/decode, import.
     Kv(kv_bench::KvArgs),
+    /// Benchmark several short prompts in one forward pass against one by one.
+    PrefillBatch(batch_bench::BatchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -35,5 +38,6 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Engine(args) => engine_bench::run(args),
         Command::Kv(args) => kv_bench::run(args),
+        Command::PrefillBatch(args) => batch_bench::run(args),
     }
 }

@@ -13,6 +13,7 @@ pub const QUEUE_DEPTH_TOKENS: &str = "pdserve_queue_depth_tokens";
 pub const DECODE_BATCH_SIZE: &str = "pdserve_decode_batch_size";
 pub const DECODE_STEP_SECONDS: &str = "pdserve_decode_step_seconds";
 pub const PREFILL_SECONDS: &str = "pdserve_prefill_seconds";
+pub const PREFILL_BATCH_SIZE: &str = "pdserve_prefill_batch_size";
 pub const PROMPT_TOKENS_TOTAL: &str = "pdserve_prompt_tokens_total";
 pub const GENERATION_TOKENS_TOTAL: &str = "pdserve_generation_tokens_total";
 pub const KV_TRANSFER_BYTES_TOTAL: &str = "pdserve_kv_transfer_bytes_total";
