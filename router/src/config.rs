@@ -118,6 +118,8 @@ pub struct Args {
     #[command(flatten)]
     pub local: crate::supervisor::LocalArgs,
     #[command(flatten)]
+    pub autoscaler: crate::autoscaler::AutoscalerArgs,
+    #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }
 
@@ -154,6 +156,7 @@ impl Args {
         for dns in self.prefill_dns.iter().chain(&self.decode_dns) {
             crate::discovery::parse_host_port(dns)?;
         }
+        self.autoscaler.validate()?;
         if self.api_keys.iter().any(|k| k.is_empty()) {
             return Err("an API key must not be empty".into());
         }

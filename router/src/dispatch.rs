@@ -199,7 +199,8 @@ impl Dispatcher {
         let resp = self.post(Pool::Decode, &w.url, &url, body).await?;
         let mut reader = LineReader::new(resp);
         let first = tokio::time::timeout(CONNECT_TIMEOUT, reader.next::<GenerateEvent>()).await;
-        let first = first.map_err(|_| self.upstream(Pool::Decode, format!("{} sent no reservation", w.url)))?;
+        let first = first
+            .map_err(|_| self.upstream(Pool::Decode, format!("{} sent no reservation", w.url)))?;
         match first {
             Ok(Some(GenerateEvent::Reserved { kv_url })) => Ok(Decode {
                 url: w.url.clone(),

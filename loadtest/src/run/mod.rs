@@ -277,6 +277,7 @@ async fn run_point(
             };
             let base = arrivals.get(pos).copied().unwrap_or(0.0);
             let slice = Slice {
+                index: round * targets.len() + t,
                 target_index: t,
                 target: target.clone(),
                 items: Arc::new(items[pos..].to_vec()),

@@ -10,6 +10,8 @@ use super::stats::Percentiles;
 use super::RunReport;
 
 type Series = (String, Vec<(f64, f64)>);
+/// A latency measure: file stem, description, and how to read it off a record.
+type Measure = (&'static str, &'static str, fn(&super::stats::Record) -> Vec<f64>);
 
 fn bounds(series: &[Series]) -> (f64, f64, f64, f64) {
     let pts = series.iter().flat_map(|(_, p)| p.iter());
@@ -93,7 +95,7 @@ pub fn write_all(dir: &Path, report: &RunReport) -> anyhow::Result<Vec<(String, 
         return Ok(out);
     };
     let suffix = format!("{} = {}", point.kind, point.value);
-    let measures: [(&str, &str, fn(&super::stats::Record) -> Vec<f64>); 3] = [
+    let measures: [Measure; 3] = [
         ("ttft", "time to first token", |r| {
             r.ttft.into_iter().collect()
         }),

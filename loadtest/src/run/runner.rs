@@ -27,6 +27,8 @@ pub enum Load {
 
 /// One slice: `target` gets `items` (until `duration`, if set).
 pub struct Slice {
+    /// This slice's number within the run.
+    pub index: usize,
     pub target_index: usize,
     pub target: Target,
     pub items: Arc<Vec<Item>>,
@@ -75,6 +77,7 @@ impl Shared {
         let s = &self.slice;
         let mut rec = send(&self.client, &s.target, &s.items[i]).await;
         rec.target = s.target_index;
+        rec.slice = s.index;
         rec.item = s.first_item + i;
         rec.start = started.duration_since(self.run_start).as_secs_f64();
         rec.warmup = started.duration_since(self.slice_start) < s.warmup;
@@ -139,6 +142,7 @@ pub async fn run_slice(
                     }
                     Err(_) => shared.push(Record {
                         target: shared.slice.target_index,
+                        slice: shared.slice.index,
                         item: shared.slice.first_item + i,
                         start: when.duration_since(run_start).as_secs_f64(),
                         error: Some("client_overload".into()),

@@ -12,6 +12,9 @@ pub struct Record {
     pub target: usize,
     /// Index of the workload item.
     pub item: usize,
+    /// The slice of the run it belongs to (with `--compare`, targets take
+    /// turns in slices; rates are computed within slices).
+    pub slice: usize,
     pub start: f64,
     /// Time to the first generated text (the whole response when not streaming).
     pub ttft: Option<f64>,
@@ -138,19 +141,25 @@ pub fn summarize<'a>(
     if measured.is_empty() {
         return s;
     }
-    let first = measured
-        .iter()
-        .map(|r| r.start)
-        .fold(f64::INFINITY, f64::min);
-    let last_start = measured
-        .iter()
-        .map(|r| r.start)
-        .fold(f64::NEG_INFINITY, f64::max);
-    let end = measured
-        .iter()
-        .map(|r| r.start + r.e2e)
-        .fold(f64::NEG_INFINITY, f64::max);
-    s.duration = (end - first).max(1e-9);
+    // Time under load: the span of each slice (first start to last end),
+    // summed, so other targets' turns in between do not count.
+    let mut slices: BTreeMap<usize, (f64, f64, f64, usize)> = BTreeMap::new();
+    for r in &measured {
+        let e = slices.entry(r.slice).or_insert((
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::NEG_INFINITY,
+            0,
+        ));
+        e.0 = e.0.min(r.start);
+        e.1 = e.1.max(r.start);
+        e.2 = e.2.max(r.start + r.e2e);
+        e.3 += 1;
+    }
+    s.duration = slices.values().map(|v| v.2 - v.0).sum::<f64>().max(1e-9);
+    // n arrivals span n - 1 gaps, per slice.
+    let gaps: usize = slices.values().map(|v| v.3 - 1).sum();
+    let arrival_span: f64 = slices.values().map(|v| v.1 - v.0).sum();
     for r in &measured {
         match &r.error {
             None => s.ok += 1,
@@ -165,9 +174,8 @@ pub fn summarize<'a>(
     s.total_tokens_per_second = (s.prompt_tokens + s.completion_tokens) as f64 / s.duration;
     s.goodput = good as f64 / s.duration;
     s.slo_attainment = good as f64 / measured.len() as f64;
-    // n arrivals span n - 1 gaps.
-    s.achieved_rate = match last_start > first {
-        true => (measured.len() - 1) as f64 / (last_start - first),
+    s.achieved_rate = match arrival_span > 0.0 {
+        true => gaps as f64 / arrival_span,
         false => 0.0,
     };
     let ok: Vec<&&Record> = measured.iter().filter(|r| r.error.is_none()).collect();
@@ -239,6 +247,19 @@ mod tests {
         assert!((s.achieved_rate - 1.0).abs() < 1e-9);
         assert_eq!(s.completion_tokens, 33);
         assert!((s.tpot.p50 - 0.1).abs() < 1e-9);
+    }
+
+    #[test]
+    fn rates_count_only_time_inside_slices() {
+        // Two slices of 2 s each, 100 s apart (another target ran between).
+        let mut records = vec![rec(0.0, 0.1, 1.0, 2), rec(1.0, 0.1, 1.0, 2)];
+        let mut later = vec![rec(100.0, 0.1, 1.0, 2), rec(101.0, 0.1, 1.0, 2)];
+        later.iter_mut().for_each(|r| r.slice = 1);
+        records.extend(later);
+        let s = summarize(&records, &Slo::default(), Some(1.0));
+        assert!((s.duration - 4.0).abs() < 1e-9, "{}", s.duration);
+        assert!((s.achieved_rate - 1.0).abs() < 1e-9);
+        assert!((s.requests_per_second - 1.0).abs() < 1e-9);
     }
 
     #[test]
