@@ -11,7 +11,11 @@ use super::RunReport;
 
 type Series = (String, Vec<(f64, f64)>);
 /// A latency measure: file stem, description, and how to read it off a record.
-type Measure = (&'static str, &'static str, fn(&super::stats::Record) -> Vec<f64>);
+type Measure = (
+    &'static str,
+    &'static str,
+    fn(&super::stats::Record) -> Vec<f64>,
+);
 
 fn bounds(series: &[Series]) -> (f64, f64, f64, f64) {
     let pts = series.iter().flat_map(|(_, p)| p.iter());
