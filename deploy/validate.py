@@ -264,6 +264,17 @@ def alert_exprs():
     return [r["expr"] for g in doc["groups"] for r in g["rules"]]
 
 
+def shell_scripts():
+    """The Slurm script and the validation script parse (`bash -n`), and pass
+    shellcheck when it is installed."""
+    for script in (DEPLOY / "slurm" / "pdserve.sbatch", DEPLOY / "validate.sh"):
+        r = run(["bash", "-n", str(script)])
+        check(f"bash -n {script.relative_to(ROOT)}", r.returncode == 0, r.stderr.strip())
+        if shutil.which("shellcheck"):
+            r = run(["shellcheck", str(script)])
+            check(f"shellcheck {script.relative_to(ROOT)}", r.returncode == 0, r.stdout.strip()[-1500:])
+
+
 def static(kubectl):
     defined = defined_metrics()
     check(f"metric names read from {METRICS_RS.relative_to(ROOT) if METRICS_RS.is_relative_to(ROOT) else METRICS_RS}",
@@ -280,6 +291,7 @@ def static(kubectl):
         for what, exprs in (("dashboard", dash), ("alert rules", alert_exprs()), ("ScaledObjects", scaled)):
             bad = unknown_metrics(exprs, defined)
             check(f"every metric in the {what} is defined in metrics.rs", not bad, ", ".join(bad))
+    shell_scripts()
 
 
 # ---- real /metrics -------------------------------------------------------------
