@@ -184,8 +184,12 @@ def check_consistency(overlay, docs):
                 check(f"{overlay}: {dns_var} names a headless service and its port",
                       svc.get("clusterIP") == "None" and any(p["port"] == port for p in svc.get("ports", [])),
                       env[dns_var])
+    router_env = {}
+    if "router" in deployments:
+        router_env = env_of(deployments["router"]["spec"]["template"]["spec"]["containers"][0], configmaps)
     for name, so in by_kind.get("ScaledObject", {}).items():
         spec = so["spec"]
+        check_router_policy(overlay, name, spec, router_env)
         target = spec["scaleTargetRef"]["name"]
         check(f"{overlay}: ScaledObject/{name} targets an existing Deployment", target in deployments, target)
         if overlay == "base" and name in POLICY:
@@ -198,6 +202,23 @@ def check_consistency(overlay, docs):
             q = t["metadata"].get("query", "")
             one = re.fullmatch(r"\s*(sum|max|min|avg|count)\s*\((?:(?!\bby\b|\bwithout\b).)*\)\s+or\s+vector\(0\)\s*", q, re.S)
             check(f"{overlay}: ScaledObject/{name} trigger {t.get('name')} returns one series", bool(one), q)
+
+
+def check_router_policy(overlay, pool, spec, env):
+    """The router's export-only autoscaler must decide what KEDA does, or the
+    dashboard's desired replicas would mislead."""
+    if env.get("PDSERVE_AUTOSCALER_EXECUTOR") != "none":
+        check(f"{overlay}: router runs the export-only autoscaler", False, str(env.get("PDSERVE_AUTOSCALER_EXECUTOR")))
+        return
+    p = pool.upper()
+    want = {f"PDSERVE_{p}_MIN_REPLICAS": spec.get("minReplicaCount"),
+            f"PDSERVE_{p}_MAX_REPLICAS": spec.get("maxReplicaCount")}
+    first = spec["triggers"][0]["metadata"]["threshold"]
+    target_var = "PDSERVE_PREFILL_TARGET_BACKLOG_SECONDS" if pool == "prefill" else "PDSERVE_DECODE_TARGET"
+    got = {k: env.get(k) for k in want}
+    ok = all(str(v) == str(got[k]) for k, v in want.items()) and float(env.get(target_var, "nan")) == float(first)
+    check(f"{overlay}: router policy for {pool} matches its ScaledObject", ok,
+          f"router {got} {target_var}={env.get(target_var)}; ScaledObject {want} threshold={first}")
 
 
 # ---- Prometheus ---------------------------------------------------------------
