@@ -20,22 +20,16 @@ async fn main() -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| format!("http://{addr}"));
     let worker = build(&args, public_url.clone())?;
-    let latency = args.latency.model()?;
-    tracing::info!(
-        ?args,
-        ?latency,
-        fingerprint = worker.registration(public_url.clone()).model_fingerprint,
-        "starting a mock worker"
-    );
+    tracing::info!(?args, "starting a mock worker");
     let shutdown = CancellationToken::new();
     pdserve_runtime::shutdown::cancel_on_signal(shutdown.clone());
-    if let Some(router) = args.registration.router_url.clone() {
+    let registered = args.registration.router_url.clone().map(|router| {
         let w = worker.clone();
         let load = Arc::new(move || w.load_report());
         let every = Duration::from_millis(args.registration.heartbeat_ms);
         let reg = worker.registration(public_url);
-        registration::spawn(router, reg, every, load, shutdown.clone());
-    }
+        registration::spawn(router, reg, every, load, shutdown.clone())
+    });
     tracing::info!(%addr, "listening");
     let w = worker.clone();
     let deadline = Duration::from_secs(args.drain_seconds);
@@ -46,6 +40,10 @@ async fn main() -> anyhow::Result<()> {
     axum::serve(listener, worker.app())
         .with_graceful_shutdown(drain)
         .await?;
+    // The deregistration starts with the drain; let it reach the router before exiting.
+    if let Some(task) = registered {
+        let _ = tokio::time::timeout(Duration::from_secs(3), task).await;
+    }
     tracing::info!("stopped");
     Ok(())
 }
