@@ -158,7 +158,12 @@ impl Worker {
             .map_err(|e| ErrorBody::retryable(e.kind(), e.to_string()))?;
         let mut sent = 0u64;
         let header = self.header(&task.job)?;
-        sent += self.send(task, kvwire::encode_header(&header).map_err(wire)?.into())?;
+        sent += self.send(
+            task,
+            kvwire::encode_header(&header)
+                .map_err(ErrorBody::from)?
+                .into(),
+        )?;
         let mut logits = Vec::new();
         for (c, chunk) in prompt.chunks(self.cfg.chunk_tokens.max(1)).enumerate() {
             if task.cancel.is_cancelled() {
@@ -180,7 +185,12 @@ impl Worker {
             first_logprob: first.logprob,
             top_logprobs: first.top_logprobs,
         };
-        sent += self.send(task, kvwire::encode_end(&trailer).map_err(wire)?.into())?;
+        sent += self.send(
+            task,
+            kvwire::encode_end(&trailer)
+                .map_err(ErrorBody::from)?
+                .into(),
+        )?;
         let secs = started.elapsed().as_secs_f64();
         self.metrics.prefill_seconds.observe(secs);
         let flops = 2.0 * self.model.config().matmul_macs_per_token() as f64 * prompt.len() as f64;
@@ -265,7 +275,7 @@ impl Worker {
             &[(&k, &v)],
             &mut out,
         )
-        .map_err(wire)?;
+        .map_err(ErrorBody::from)?;
         Ok(Bytes::from(out))
     }
 
@@ -295,8 +305,4 @@ impl Worker {
         self.metrics.kv_transfer_bytes.inc_by(n);
         Ok(n)
     }
-}
-
-fn wire(e: kvwire::KvWireError) -> ErrorBody {
-    ErrorBody::fatal(e.kind(), e.to_string())
 }

@@ -190,17 +190,15 @@ async fn an_expired_lease_ends_the_stream_with_a_retryable_error() {
 async fn decode_steps_take_the_modelled_time() {
     let model = tiny_model();
     // Local prefill free; c = 20 ms per step.
-    let flags = [
-        "--prefill-fixed-ms",
-        "0",
-        "--prefill-ms-per-token",
-        "0",
-        "--step-fixed-ms",
-        "20",
-        "--step-ms-per-seq",
-        "0",
-    ];
-    let d = spawn(&model, "decode", &flags).await;
+    let step = |c: &'static str, d: &'static str| {
+        let no_prefill = ["--prefill-fixed-ms", "0", "--prefill-ms-per-token", "0"];
+        [
+            &no_prefill[..],
+            &["--step-fixed-ms", c, "--step-ms-per-seq", d],
+        ]
+        .concat()
+    };
+    let d = spawn(&model, "decode", &step("20", "0")).await;
     let started = Instant::now();
     // The first token comes from the prefill, the next 10 from 10 steps.
     let events = events_of(
@@ -215,17 +213,7 @@ async fn decode_steps_take_the_modelled_time() {
         "10 steps of 20 ms took {took:?}"
     );
     // d = 10 ms per sequence: 4 sequences for 5 steps take at least 5 × 40 ms.
-    let flags = [
-        "--prefill-fixed-ms",
-        "0",
-        "--prefill-ms-per-token",
-        "0",
-        "--step-fixed-ms",
-        "0",
-        "--step-ms-per-seq",
-        "10",
-    ];
-    let d = spawn(&model, "decode", &flags).await;
+    let d = spawn(&model, "decode", &step("0", "10")).await;
     let started = Instant::now();
     let runs = (0..4).map(|i| {
         events_of(

@@ -71,7 +71,7 @@ async fn the_binary_registers_heartbeats_and_exits_cleanly_on_sigterm() {
     assert_eq!(registration.1["pool"], "prefill");
     assert_eq!(registration.1["weights"], "mock");
     let url = registration.1["url"].as_str().unwrap().to_string();
-    assert_eq!(load(&url).await.ready, true);
+    assert!(load(&url).await.ready);
     let pid = child.0.id().to_string();
     let killed = std::process::Command::new("kill")
         .args(["-TERM", &pid])

@@ -1,23 +1,19 @@
 //! `POST /v1/internal/generate`: validate, reserve KV, then either queue a
 //! local prefill or wait (under a lease) for a prefill worker's KV stream.
 
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::Json;
-use futures_util::StreamExt;
 use pdserve_engine::sampler::SamplingParams;
 use pdserve_protocol::internal::{
     validate_request_id, ErrorBody, GenerateEvent, GenerateRequest, KvSource,
 };
-use pdserve_runtime::http::ApiError;
+use pdserve_runtime::http::{ndjson, ApiError};
 use tokio::sync::mpsc;
 
 use super::batcher::Job;
@@ -141,17 +137,10 @@ impl Drop for Events {
 
 /// Streams events as JSON lines until the batcher drops the sender.
 fn stream_events(mut events: Events) -> Response {
-    let next = futures_util::stream::poll_fn(move |cx| match events.rx.as_mut() {
-        Some(rx) => rx.poll_recv(cx),
-        None => std::task::Poll::Ready(None),
-    });
-    let lines = next.map(|event| {
-        let mut line = serde_json::to_vec(&event).unwrap_or_default();
-        line.push(b'\n');
-        Ok::<_, Infallible>(bytes::Bytes::from(line))
-    });
-    Response::builder()
-        .header(header::CONTENT_TYPE, "application/x-ndjson")
-        .body(Body::from_stream(lines))
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+    ndjson(futures_util::stream::poll_fn(move |cx| {
+        match events.rx.as_mut() {
+            Some(rx) => rx.poll_recv(cx),
+            None => std::task::Poll::Ready(None),
+        }
+    }))
 }

@@ -10,16 +10,16 @@ use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use futures_util::StreamExt;
 use pdserve_engine::sampler::SamplingParams;
 use pdserve_protocol::internal::{
     validate_request_id, ErrorBody, LoadReport, PrefillJob, PrefillResult,
 };
 use pdserve_runtime::http::ApiError;
+use pdserve_runtime::kv_upload::upload;
 use pdserve_runtime::metrics::labels;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -206,36 +206,6 @@ async fn deliver(
     let tail = acked.saturating_duration_since(computed.finished_at);
     m.transfer_tail_seconds.observe(tail.as_secs_f64());
     Ok(computed)
-}
-
-/// Streams the frames to the decode worker's ingest URL.
-async fn upload(
-    client: &reqwest::Client,
-    url: &str,
-    mut frames: mpsc::Receiver<Bytes>,
-) -> Result<(), ErrorBody> {
-    let stream =
-        futures_util::stream::poll_fn(move |cx| frames.poll_recv(cx)).map(Ok::<_, std::io::Error>);
-    let resp = client
-        .post(url)
-        .header(header::CONTENT_TYPE, "application/octet-stream")
-        .body(reqwest::Body::wrap_stream(stream))
-        .send()
-        .await
-        .map_err(|e| {
-            ErrorBody::retryable("kv_upload_failed", format!("sending KV to {url}: {e}"))
-        })?;
-    if resp.status().is_success() {
-        return Ok(());
-    }
-    let status = resp.status();
-    match resp.json::<ErrorBody>().await {
-        Ok(body) => Err(body),
-        Err(_) => Err(ErrorBody::retryable(
-            "kv_upload_failed",
-            format!("the decode worker answered {status}"),
-        )),
-    }
 }
 
 fn validate(shape: &MockShape, job: &PrefillJob) -> Result<(), ErrorBody> {

@@ -102,10 +102,6 @@ fn cancelled() -> ErrorBody {
     ErrorBody::fatal("cancelled", "the job was cancelled")
 }
 
-fn wire(e: kvwire::KvWireError) -> ErrorBody {
-    ErrorBody::fatal(e.kind(), e.to_string())
-}
-
 impl Engine {
     async fn run(self, mut rx: mpsc::Receiver<Task>) {
         while let Some(task) = rx.recv().await {
@@ -144,7 +140,10 @@ impl Engine {
         let total = self.cfg.latency.prefill(n);
         let header = self.header(job);
         let mut sent = self
-            .send(task, kvwire::encode_header(&header).map_err(wire)?)
+            .send(
+                task,
+                kvwire::encode_header(&header).map_err(ErrorBody::from)?,
+            )
             .await?;
         let chunk_len = self.cfg.chunk_tokens.max(1);
         let layers = self.cfg.shape.n_layers;
@@ -158,7 +157,7 @@ impl Engine {
                     .await?;
                 let mut frame = Vec::with_capacity(zeros.len() + 32);
                 kvwire::encode_layers(layer, 1, start as u32, tokens as u32, &zeros, &mut frame)
-                    .map_err(wire)?;
+                    .map_err(ErrorBody::from)?;
                 sent += self.send(task, frame).await?;
             }
         }
@@ -175,7 +174,7 @@ impl Engine {
             top_logprobs: first.top_logprobs,
         };
         sent += self
-            .send(task, kvwire::encode_end(&trailer).map_err(wire)?)
+            .send(task, kvwire::encode_end(&trailer).map_err(ErrorBody::from)?)
             .await?;
         let secs = started.elapsed().as_secs_f64();
         self.record(n, secs);
