@@ -110,6 +110,24 @@ struct JobGuard {
     cancel: CancellationToken,
 }
 
+impl JobGuard {
+    /// Registers a job (for `DELETE`), refusing an id already in progress.
+    fn track(state: &Arc<PrefillState>, id: &str) -> Result<Self, ApiError> {
+        let cancel = CancellationToken::new();
+        let mut jobs = state.jobs();
+        if jobs.contains_key(id) {
+            let msg = "a job with this id is in progress";
+            return Err(ApiError(ErrorBody::fatal("duplicate_request_id", msg)));
+        }
+        jobs.insert(id.to_string(), cancel.clone());
+        Ok(Self {
+            state: state.clone(),
+            id: id.to_string(),
+            cancel,
+        })
+    }
+}
+
 impl Drop for JobGuard {
     fn drop(&mut self) {
         self.cancel.cancel();
@@ -123,22 +141,7 @@ async fn prefill(
 ) -> Result<Json<PrefillResult>, ApiError> {
     let job = state.readiness.admit(body)?;
     validate(&state.shape, &job)?;
-    let cancel = CancellationToken::new();
-    {
-        let mut jobs = state.jobs();
-        if jobs.contains_key(&job.request_id) {
-            return Err(ApiError(ErrorBody::fatal(
-                "duplicate_request_id",
-                "a job with this id is in progress",
-            )));
-        }
-        jobs.insert(job.request_id.clone(), cancel.clone());
-    }
-    let _guard = JobGuard {
-        state: state.clone(),
-        id: job.request_id.clone(),
-        cancel: cancel.clone(),
-    };
+    let guard = JobGuard::track(&state, &job.request_id)?;
     let (frames_tx, frames_rx) = mpsc::channel::<Bytes>(16);
     let (reply_tx, reply_rx) = oneshot::channel();
     let deadline = Duration::from_millis(job.deadline_ms.max(1));
@@ -150,7 +153,7 @@ async fn prefill(
     let task = Task {
         job,
         enqueued: Instant::now(),
-        cancel,
+        cancel: guard.cancel.clone(),
         frames: frames_tx,
         reply: reply_tx,
     };
@@ -163,16 +166,13 @@ async fn prefill(
             format!("KV not delivered within {} ms", deadline.as_millis()),
         )),
     };
-    let status = if result.is_ok() {
-        labels::STATUS_OK
-    } else {
-        labels::STATUS_ERROR
+    drop(guard);
+    let status = match &result {
+        Ok(_) => labels::STATUS_OK,
+        Err(_) => labels::STATUS_ERROR,
     };
     state.metrics.common.finished(status);
-    let c = result.map_err(|e| {
-        tracing::warn!(request_id = %id, "prefill failed: {e}");
-        ApiError(e)
-    })?;
+    let c = result.inspect_err(|e| tracing::warn!(request_id = %id, "prefill failed: {e}"))?;
     Ok(Json(PrefillResult {
         request_id: id,
         prompt_tokens: tokens,
