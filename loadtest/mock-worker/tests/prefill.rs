@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use pdserve_mock_worker::Worker;
 use pdserve_protocol::internal::{
     ErrorBody, ErrorClass, FinishReason, GenerateEvent, PrefillResult,
 };
@@ -218,4 +219,54 @@ async fn a_full_queue_is_overloaded_and_a_delete_cancels() {
         metric(&p.url, "pdserve_requests_total{status=\"error\"}").await,
         2.0
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_ends_during_a_failed_ingest_still_releases_the_kv() {
+    let model = tiny_model();
+    let d = spawn(&model, "decode", FAST).await;
+    let body = generate_body("late", 4, json!({}), remote(200));
+    let (resp, buf, kv_url) = reserve(&d.url, &body).await;
+    let header = KvHeader {
+        request_id: "late".into(),
+        model_fingerprint: d.worker.registration(String::new()).model_fingerprint,
+        dtype: KvDtype::F32,
+        n_layers: LAYERS as u32,
+        n_kv_heads: KV_HEADS as u32,
+        head_dim: HEAD_DIM as u32,
+        n_tokens: 4,
+        seed: 0,
+    };
+    // A prefill worker sends the header, stalls past the lease, then dies.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
+    tx.send(Ok(kvwire::encode_header(&header).unwrap()))
+        .await
+        .unwrap();
+    let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+    let upload = reqwest::Client::new()
+        .post(&kv_url)
+        .body(reqwest::Body::wrap_stream(stream))
+        .send();
+    let upload = tokio::spawn(upload);
+    // The ingest has taken the reservation out of the waiting map.
+    let Worker::Decode(state) = &d.worker else {
+        unreachable!()
+    };
+    let state = state.clone();
+    wait_until(Duration::from_secs(5), || {
+        std::future::ready(state.pending().is_empty())
+    })
+    .await;
+    assert_eq!(load(&d.url).await.kv_used_tokens, 12);
+    // Well past the 200 ms lease: its timer has fired while the ingest held the reservation.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    drop(tx);
+    let refused = upload.await.unwrap().unwrap();
+    assert_eq!(refused.status(), 503, "a truncated stream is retryable");
+    let events = tokio::time::timeout(Duration::from_secs(10), rest(resp, buf)).await;
+    match events.expect("the stream ends").last() {
+        Some(GenerateEvent::Error(e)) => assert_eq!(e.kind, "kv_lease_expired"),
+        other => panic!("the stream must end with the expired lease: {other:?}"),
+    }
+    assert_eq!(load(&d.url).await.kv_used_tokens, 0);
 }

@@ -17,7 +17,7 @@ use pdserve_runtime::http::{ndjson, ApiError};
 use tokio::sync::mpsc;
 
 use super::batcher::Job;
-use super::{DecodeState, Pending};
+use super::{DecodeState, LeaseTimer, Pending};
 use crate::shape::MockShape;
 
 /// Tells a reservation's lease from a later one's under the same request id.
@@ -50,26 +50,30 @@ pub async fn generate(
         KvSource::Remote { lease_ms } => {
             let url = format!("{}/v1/internal/kv/{}", state.public_url, req.request_id);
             let _ = tx.send(GenerateEvent::Reserved { kv_url: Some(url) });
-            let lease_id = NEXT_LEASE.fetch_add(1, Ordering::Relaxed);
-            let pending = Pending {
-                prompt_len,
-                sampling: req.sampling,
-                kv,
-                events: tx,
-                lease: lease_id,
-            };
+            let id = req.request_id.clone();
             let mut map = state.pending();
-            if map.contains_key(&req.request_id) {
+            if map.contains_key(&id) {
                 return Err(ApiError(ErrorBody::fatal(
                     "duplicate_request_id",
                     "this request id is already waiting for KV",
                 )));
             }
-            map.insert(req.request_id.clone(), pending);
-            drop(map);
+            // Under the map's lock: the timer cannot look before the entry is in.
+            let lease_id = NEXT_LEASE.fetch_add(1, Ordering::Relaxed);
             let within = Duration::from_millis(lease_ms);
-            let id = req.request_id.clone();
-            tokio::spawn(lease(state.clone(), id, lease_id, within));
+            let timer = tokio::spawn(lease(state.clone(), id.clone(), lease_id, within));
+            let pending = Pending {
+                prompt_len,
+                sampling: req.sampling,
+                kv,
+                events: tx,
+                lease: LeaseTimer {
+                    id: lease_id,
+                    task: timer.abort_handle(),
+                },
+            };
+            map.insert(id, pending);
+            drop(map);
             waiting = Some((state.clone(), req.request_id));
         }
     }
@@ -102,7 +106,7 @@ async fn lease(state: Arc<DecodeState>, id: String, lease: u64, within: Duration
     tokio::time::sleep(within).await;
     let mut map = state.pending();
     // Absent (or another request's): the KV arrived, or the client left.
-    if map.get(&id).is_some_and(|p| p.lease == lease) {
+    if map.get(&id).is_some_and(|p| p.lease.id == lease) {
         if let Some(p) = map.remove(&id) {
             tracing::warn!(request_id = %id, "KV lease expired: releasing the reservation");
             let _ = p.events.send(GenerateEvent::Error(ErrorBody::retryable(

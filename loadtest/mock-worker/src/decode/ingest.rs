@@ -11,7 +11,7 @@ use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::Json;
 use futures_util::StreamExt;
-use pdserve_protocol::internal::ErrorBody;
+use pdserve_protocol::internal::{ErrorBody, GenerateEvent};
 use pdserve_protocol::kvwire::{self, KvEvent, KvLimits, KvStreamDecoder};
 use pdserve_runtime::http::ApiError;
 
@@ -52,8 +52,16 @@ pub async fn ingest(
         }
         Err(err) => {
             tracing::warn!(request_id = %request_id, "KV ingest failed: {err}");
-            // Keep the reservation for a retry from another prefill worker, until its lease ends.
-            if !pending.events.is_closed() {
+            // Keep the reservation for a retry from another prefill worker,
+            // unless its lease ran out while this stream held it.
+            if pending.lease.task.is_finished() {
+                let _ = pending
+                    .events
+                    .send(GenerateEvent::Error(ErrorBody::retryable(
+                        "kv_lease_expired",
+                        "the lease ended while a KV stream that then failed was arriving",
+                    )));
+            } else if !pending.events.is_closed() {
                 state.pending().insert(request_id, pending);
             }
             Err(ApiError(err))

@@ -29,8 +29,22 @@ pub struct Pending {
     pub sampling: SamplingSpec,
     pub kv: Reservation,
     pub events: mpsc::UnboundedSender<GenerateEvent>,
-    /// Which lease guards this reservation.
-    pub lease: u64,
+    pub lease: LeaseTimer,
+}
+
+/// The timer that releases a reservation whose KV is late. It stops as soon
+/// as the reservation leaves the waiting map (KV in, client gone), so a long
+/// lease leaves no sleeping task behind at high request rates.
+pub struct LeaseTimer {
+    /// Tells this lease from a later one under the same request id.
+    pub id: u64,
+    pub task: tokio::task::AbortHandle,
+}
+
+impl Drop for LeaseTimer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// Everything the handlers share.
