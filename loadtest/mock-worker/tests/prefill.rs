@@ -25,6 +25,20 @@ fn job(id: &str, generate: &Value, kv_url: &str) -> Value {
     })
 }
 
+/// A KV stream header for the tiny model's shape.
+fn tiny_header(id: &str, fingerprint: u64, n_tokens: u32) -> KvHeader {
+    KvHeader {
+        request_id: id.into(),
+        model_fingerprint: fingerprint,
+        dtype: KvDtype::F32,
+        n_layers: LAYERS as u32,
+        n_kv_heads: KV_HEADS as u32,
+        head_dim: HEAD_DIM as u32,
+        n_tokens,
+        seed: 0,
+    }
+}
+
 /// Opens a remote generate stream; returns it and its KV URL.
 async fn reserve(decode: &str, body: &Value) -> (reqwest::Response, Vec<u8>, String) {
     let mut resp = post(decode, "/v1/internal/generate", body).await;
@@ -109,16 +123,7 @@ async fn the_decode_worker_refuses_kv_of_another_model() {
     let d = spawn(&model, "decode", FAST).await;
     let body = generate_body("fp", 4, json!({}), remote(30_000));
     let (_resp, _buf, kv_url) = reserve(&d.url, &body).await;
-    let header = KvHeader {
-        request_id: "fp".into(),
-        model_fingerprint: 42,
-        dtype: KvDtype::F32,
-        n_layers: LAYERS as u32,
-        n_kv_heads: KV_HEADS as u32,
-        head_dim: HEAD_DIM as u32,
-        n_tokens: 4,
-        seed: 0,
-    };
+    let header = tiny_header("fp", 42, 4);
     let client = reqwest::Client::new();
     let r = client
         .post(&kv_url)
@@ -227,16 +232,8 @@ async fn a_lease_that_ends_during_a_failed_ingest_still_releases_the_kv() {
     let d = spawn(&model, "decode", FAST).await;
     let body = generate_body("late", 4, json!({}), remote(200));
     let (resp, buf, kv_url) = reserve(&d.url, &body).await;
-    let header = KvHeader {
-        request_id: "late".into(),
-        model_fingerprint: d.worker.registration(String::new()).model_fingerprint,
-        dtype: KvDtype::F32,
-        n_layers: LAYERS as u32,
-        n_kv_heads: KV_HEADS as u32,
-        head_dim: HEAD_DIM as u32,
-        n_tokens: 4,
-        seed: 0,
-    };
+    let fingerprint = d.worker.registration(String::new()).model_fingerprint;
+    let header = tiny_header("late", fingerprint, 4);
     // A prefill worker sends the header, stalls past the lease, then dies.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
     tx.send(Ok(kvwire::encode_header(&header).unwrap()))
