@@ -3,6 +3,7 @@
 use clap::Parser;
 use pdserve_engine::args::ModelArgs;
 use pdserve_runtime::registration::RegistrationArgs;
+use pdserve_runtime::shutdown::DrainArgs;
 use pdserve_runtime::telemetry::TelemetryArgs;
 
 /// pdserve decode worker.
@@ -39,9 +40,8 @@ pub struct Args {
         default_value_t = 46.0
     )]
     pub peak_memory_bandwidth_gbps: f64,
-    /// Seconds to let in-flight sequences finish after SIGTERM.
-    #[arg(long, env = "PDSERVE_DRAIN_SECONDS", default_value_t = 30)]
-    pub drain_seconds: u64,
+    #[command(flatten)]
+    pub drain: DrainArgs,
     #[command(flatten)]
     pub registration: RegistrationArgs,
     #[command(flatten)]

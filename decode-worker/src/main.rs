@@ -1,13 +1,13 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::Context;
 use clap::Parser;
 use pdserve_decode::{build_app, build_state, Args};
 use pdserve_engine::Tokenizer;
 use pdserve_protocol::internal::{Pool, WorkerRegistration};
 use pdserve_runtime::registration;
+use pdserve_runtime::shutdown::{self, Drain};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
@@ -18,9 +18,7 @@ async fn main() -> anyhow::Result<()> {
     let margs = args.model.clone();
     let model = tokio::task::spawn_blocking(move || margs.load()).await??;
     let tokenizer = Tokenizer::from_gguf_file(&args.model.path)?;
-    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-        .await
-        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let listener = pdserve_runtime::http::listen(&args.host, args.port).await?;
     let addr = listener.local_addr()?;
     let public_url = args
         .public_url
@@ -33,38 +31,19 @@ async fn main() -> anyhow::Result<()> {
         weights: args.model.weights.to_string(),
     };
     let state = build_state(Arc::new(model), tokenizer.eos_token_id(), &args, public_url);
-    let shutdown = CancellationToken::new();
-    pdserve_runtime::shutdown::cancel_on_signal(shutdown.clone());
-    if let Some(router) = args.registration.router_url.clone() {
-        let s = state.clone();
-        let load = Arc::new(move || pdserve_decode::http::load_report(&s));
-        let every = Duration::from_millis(args.registration.heartbeat_ms);
-        registration::spawn(router, registration, every, load, shutdown.clone());
-    }
-    tracing::info!(%addr, "listening");
-    let drain = drain(
-        state.clone(),
-        shutdown.clone(),
-        Duration::from_secs(args.drain_seconds),
-    );
-    let server = axum::serve(listener, build_app(state)).with_graceful_shutdown(drain);
-    server.await?;
+    let token = CancellationToken::new();
+    shutdown::cancel_on_signal(token.clone());
+    let s = state.clone();
+    let load = Arc::new(move || pdserve_decode::http::load_report(&s));
+    registration::start(&args.registration, registration, load, token.clone());
+    // Queued and running sequences, and reservations still waiting for their KV.
+    let (s1, s2) = (state.clone(), state.clone());
+    let drain = Drain {
+        stop_accepting: Box::new(move || s1.ready.store(false, Ordering::Relaxed)),
+        in_flight: Box::new(move || s2.engine.in_flight() + s2.pending().len() as u64),
+        deadline: Duration::from_secs(args.drain.drain_seconds),
+    };
+    shutdown::serve(listener, build_app(state), token, drain).await?;
     tracing::info!("stopped");
     Ok(())
-}
-
-/// On shutdown: stop taking work, let in-flight sequences finish (bounded by
-/// `deadline`), then let the server close.
-async fn drain(
-    state: Arc<pdserve_decode::state::AppState>,
-    token: CancellationToken,
-    deadline: Duration,
-) {
-    token.cancelled().await;
-    state.ready.store(false, Ordering::Relaxed);
-    let until = Instant::now() + deadline;
-    while Instant::now() < until && (state.engine.in_flight() > 0 || !state.pending().is_empty()) {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    tracing::info!("drained");
 }

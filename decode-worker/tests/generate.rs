@@ -4,10 +4,8 @@
 mod common;
 
 use common::*;
-use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
 use pdserve_engine::KvDtype;
 use pdserve_protocol::internal::{FinishReason, GenerateEvent, KvSource};
-use pdserve_protocol::kvwire::{self, KvHeader, KvTrailer};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_generation_streams_the_engine_tokens() {
@@ -73,57 +71,6 @@ async fn concurrent_sequences_batch_without_changing_tokens() {
     );
 }
 
-/// Computes a prompt's KV and first token like a prefill worker would, as a kvwire stream.
-fn kv_stream(w: &Worker, id: &str, p: &[u32], chunk: usize, dtype: KvDtype) -> (Vec<u8>, u32) {
-    let pool = pdserve_engine::KvPool::new(w.model.kv_layout(), 4096);
-    let mut kv = pool.allocate(p.len()).unwrap();
-    let layout = w.model.kv_layout();
-    let header = KvHeader {
-        request_id: id.into(),
-        model_fingerprint: w.model.fingerprint(),
-        dtype: dtype.into(),
-        n_layers: layout.n_layers as u32,
-        n_kv_heads: layout.n_kv_heads as u32,
-        head_dim: layout.head_dim as u32,
-        n_tokens: p.len() as u32,
-        seed: 0,
-    };
-    let mut out = kvwire::encode_header(&header).unwrap();
-    let mut logits = Vec::new();
-    for (c, tokens) in p.chunks(chunk).enumerate() {
-        logits = w.model.prefill(tokens, &mut kv).unwrap();
-        let start = c * chunk;
-        for l in 0..layout.n_layers {
-            let mut bytes = Vec::new();
-            kv.export_layer(l, dtype, &mut bytes);
-            let (k, v) = bytes.split_at(bytes.len() / 2);
-            let row = layout.row() * dtype.size();
-            let range = start * row..(start + tokens.len()) * row;
-            let parts = [(&k[range.clone()], &v[range])];
-            kvwire::encode_layer_parts(
-                l as u32,
-                start as u32,
-                tokens.len() as u32,
-                &parts,
-                &mut out,
-            )
-            .unwrap();
-        }
-    }
-    let greedy = SamplingParams {
-        temperature: 0.0,
-        ..Default::default()
-    };
-    let first = sample(&logits, &greedy, p.len() as u64, &TokenCounts::default()).unwrap();
-    let trailer = KvTrailer {
-        first_token: first.token,
-        first_logprob: first.logprob,
-        top_logprobs: vec![],
-    };
-    out.extend(kvwire::encode_end(&trailer).unwrap());
-    (out, first.token)
-}
-
 async fn reserve_remote(w: &Worker, id: &str, p: &[u32], n: u32, lease_ms: u64) -> (Lines, String) {
     let resp = post(
         &w.url,
@@ -143,7 +90,7 @@ async fn remote_kv_in_chunks_gives_exactly_the_local_tokens() {
     let w = start(&[]).await;
     let p = prompt(23, 3);
     let (lines, url) = reserve_remote(&w, "remote-1", &p, 8, 5_000).await;
-    let (stream, _) = kv_stream(&w, "remote-1", &p, 10, KvDtype::F32);
+    let (stream, _) = kv_stream(&w.model, "remote-1", &p, 10, KvDtype::F32);
     let resp = reqwest::Client::new()
         .post(&url)
         .body(stream)
@@ -177,7 +124,7 @@ async fn corrupt_kv_is_refused_and_the_reservation_survives_for_a_retry() {
     let w = start(&[]).await;
     let p = prompt(9, 4);
     let (lines, url) = reserve_remote(&w, "retry-1", &p, 4, 5_000).await;
-    let (good, _) = kv_stream(&w, "retry-1", &p, 9, KvDtype::F16);
+    let (good, _) = kv_stream(&w.model, "retry-1", &p, 9, KvDtype::F16);
     let mut bad = good.clone();
     let mid = bad.len() / 2;
     bad[mid] ^= 0x40;
@@ -187,7 +134,7 @@ async fn corrupt_kv_is_refused_and_the_reservation_survives_for_a_retry() {
     let body: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(body["class"], "fatal", "{body}");
     // A stream cut short, as when a prefill worker dies mid-transfer.
-    let (mut other, _) = kv_stream(&w, "retry-1", &p, 9, KvDtype::F16);
+    let (mut other, _) = kv_stream(&w.model, "retry-1", &p, 9, KvDtype::F16);
     other.truncate(other.len() - 30);
     let resp = client.post(&url).body(other).send().await.unwrap();
     assert_eq!(resp.status(), 503, "a truncated stream is retryable");

@@ -190,7 +190,7 @@ fn argmax(logits: &[f32]) -> u32 {
 }
 
 /// Deterministic token ids that avoid the special tokens at the start of the vocabulary.
-fn synthetic_prompt(model: &Model, len: usize, salt: u32) -> Vec<u32> {
+pub(crate) fn synthetic_prompt(model: &Model, len: usize, salt: u32) -> Vec<u32> {
     let vocab = model.config().vocab_size as u32;
     let base = 100.min(vocab / 2);
     (0..len as u32)

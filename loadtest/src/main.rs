@@ -1,8 +1,10 @@
 //! `pdserve-loadtest`: load generation against OpenAI-compatible servers and
 //! micro-benchmarks of pdserve's own components.
 
+mod batch_bench;
 mod engine_bench;
 mod kv_bench;
+mod run;
 
 use clap::{Parser, Subcommand};
 
@@ -15,15 +17,27 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Load an OpenAI-compatible server (or several, side by side) and report
+    /// latency percentiles, throughput and goodput.
+    Run(Box<run::RunArgs>),
     /// Benchmark the engine in-process: prefill and batched-decode throughput.
     Engine(engine_bench::EngineArgs),
     /// Benchmark moving one sequence's KV: export, wire encode/decode, import.
     Kv(kv_bench::KvArgs),
+    /// Benchmark several short prompts in one forward pass against one by one.
+    PrefillBatch(batch_bench::BatchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Command::Run(args) => {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(run::run(*args)).map(|_| ())
+        }
         Command::Engine(args) => engine_bench::run(args),
         Command::Kv(args) => kv_bench::run(args),
+        Command::PrefillBatch(args) => batch_bench::run(args),
     }
 }

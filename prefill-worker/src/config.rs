@@ -4,6 +4,7 @@ use clap::Parser;
 use pdserve_engine::args::ModelArgs;
 use pdserve_engine::KvDtype;
 use pdserve_runtime::registration::RegistrationArgs;
+use pdserve_runtime::shutdown::DrainArgs;
 use pdserve_runtime::telemetry::TelemetryArgs;
 
 /// pdserve prefill worker.
@@ -24,6 +25,14 @@ pub struct Args {
     /// Prompt tokens per forward pass; longer prompts run in chunks.
     #[arg(long, env = "PDSERVE_PREFILL_CHUNK_TOKENS", default_value_t = 512)]
     pub prefill_chunk_tokens: usize,
+    /// Prompt tokens one batched forward pass may hold: while jobs are
+    /// queued, short prompts are run together up to this total (default:
+    /// 128, or --prefill-chunk-tokens if smaller).
+    #[arg(long, env = "PDSERVE_PREFILL_BATCH_TOKENS")]
+    pub prefill_batch_tokens: Option<usize>,
+    /// Jobs per batched forward pass at most (1 turns batching off).
+    #[arg(long, env = "PDSERVE_PREFILL_BATCH_MAX_JOBS", default_value_t = 8)]
+    pub prefill_batch_max_jobs: usize,
     /// Jobs that may wait before new ones are refused.
     #[arg(long, env = "PDSERVE_MAX_QUEUE", default_value_t = 64)]
     pub max_queue: usize,
@@ -33,13 +42,25 @@ pub struct Args {
     /// Peak matmul throughput of this machine in GFLOP/s, for the FLOPs-utilisation (MFU) estimate.
     #[arg(long, env = "PDSERVE_PEAK_GFLOPS", default_value_t = 410.0)]
     pub peak_gflops: f64,
-    /// Seconds to let queued and running jobs finish after SIGTERM.
-    #[arg(long, env = "PDSERVE_DRAIN_SECONDS", default_value_t = 30)]
-    pub drain_seconds: u64,
+    #[command(flatten)]
+    pub drain: DrainArgs,
     #[command(flatten)]
     pub registration: RegistrationArgs,
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
+}
+
+/// Batches of short prompts pay on a 2-core CPU up to about this many
+/// tokens; bigger passes are no faster than one prompt after another
+/// (docs/benchmarks.md, "Batching short prompts").
+pub const DEFAULT_BATCH_TOKENS: usize = 128;
+
+impl Args {
+    /// The batched forward pass's token budget.
+    pub fn batch_tokens(&self) -> usize {
+        self.prefill_batch_tokens
+            .unwrap_or(DEFAULT_BATCH_TOKENS.min(self.prefill_chunk_tokens))
+    }
 }
 
 fn parse_dtype(s: &str) -> Result<KvDtype, String> {
@@ -47,5 +68,22 @@ fn parse_dtype(s: &str) -> Result<KvDtype, String> {
         "f32" => Ok(KvDtype::F32),
         "f16" => Ok(KvDtype::F16),
         other => Err(format!("unknown KV dtype `{other}` (expected f32 or f16)")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_batch_budget_defaults_to_128_tokens_within_the_chunk() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["p", "--model", "m.gguf"];
+            argv.extend_from_slice(extra);
+            Args::parse_from(argv).batch_tokens()
+        };
+        assert_eq!(parse(&[]), 128);
+        assert_eq!(parse(&["--prefill-chunk-tokens", "64"]), 64);
+        assert_eq!(parse(&["--prefill-batch-tokens", "300"]), 300);
     }
 }

@@ -38,6 +38,11 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// Jobs queued, running, or still delivering their KV.
+    pub fn in_flight(&self) -> u64 {
+        self.jobs().len() as u64
+    }
+
     fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
         self.jobs.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -55,7 +60,7 @@ pub fn routes(state: Arc<AppState>) -> Router {
 }
 
 /// Cancels the job when the handler ends for any reason, including the
-/// router dropping the request; the engine stops at the next chunk.
+/// router dropping the request; the engine stops after the current layer.
 struct JobGuard {
     state: Arc<AppState>,
     id: String,
@@ -105,6 +110,7 @@ async fn prefill(
         job.prompt_tokens.len() as u32,
         job.kv_destination.clone(),
     );
+    let cancelled = cancel.clone();
     let task = Task {
         job,
         enqueued: Instant::now(),
@@ -130,12 +136,15 @@ async fn prefill(
         m.transfer_tail_seconds.observe(tail.as_secs_f64());
         Ok::<Computed, ErrorBody>(computed)
     };
-    let result = match tokio::time::timeout(deadline, work).await {
-        Ok(r) => r,
-        Err(_) => Err(ErrorBody::retryable(
+    // A cancel stops the upload too (dropping it aborts the stream, so the
+    // decode worker never commits the KV), unless the KV was delivered first.
+    let result = tokio::select! {
+        biased;
+        r = tokio::time::timeout(deadline, work) => r.unwrap_or_else(|_| Err(ErrorBody::retryable(
             "deadline_exceeded",
             format!("KV not delivered within {} ms", deadline.as_millis()),
-        )),
+        ))),
+        _ = cancelled.cancelled() => Err(crate::engine::cancelled()),
     };
     let status = if result.is_ok() { "ok" } else { "error" };
     state.metrics.requests.with_label_values(&[status]).inc();

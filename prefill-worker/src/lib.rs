@@ -6,6 +6,7 @@ pub mod config;
 pub mod engine;
 pub mod http;
 pub mod metrics;
+mod prefill;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -22,6 +23,8 @@ pub fn build_state(model: Arc<Model>, args: &Args) -> Arc<AppState> {
     let metrics = Arc::new(PrefillMetrics::new());
     let cfg = EngineConfig {
         chunk_tokens: args.prefill_chunk_tokens,
+        batch_tokens: args.batch_tokens(),
+        max_batch_jobs: args.prefill_batch_max_jobs.max(1),
         queue_capacity: args.max_queue,
         kv_dtype: args.kv_dtype,
         peak_flops: args.peak_gflops * 1e9,

@@ -1,13 +1,12 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::Context;
 use clap::Parser;
-use pdserve_prefill::http::AppState;
 use pdserve_prefill::{build_app, build_state, Args};
 use pdserve_protocol::internal::{Pool, WorkerRegistration};
 use pdserve_runtime::registration;
+use pdserve_runtime::shutdown::{self, Drain};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
@@ -17,11 +16,8 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(?args, "starting the prefill worker");
     let margs = args.model.clone();
     let model = tokio::task::spawn_blocking(move || margs.load()).await??;
-    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-        .await
-        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let listener = pdserve_runtime::http::listen(&args.host, args.port).await?;
     let addr = listener.local_addr()?;
-    tracing::info!(%addr, "listening");
     let registration = WorkerRegistration {
         pool: Pool::Prefill,
         url: args
@@ -32,34 +28,19 @@ async fn main() -> anyhow::Result<()> {
         weights: args.model.weights.to_string(),
     };
     let state = build_state(Arc::new(model), &args);
-    let shutdown = CancellationToken::new();
-    pdserve_runtime::shutdown::cancel_on_signal(shutdown.clone());
-    if let Some(router) = args.registration.router_url.clone() {
-        let s = state.clone();
-        let load = Arc::new(move || pdserve_prefill::http::load_report(&s));
-        let every = Duration::from_millis(args.registration.heartbeat_ms);
-        registration::spawn(router, registration, every, load, shutdown.clone());
-    }
-    let drain = drain(
-        state.clone(),
-        shutdown,
-        Duration::from_secs(args.drain_seconds),
-    );
-    axum::serve(listener, build_app(state))
-        .with_graceful_shutdown(drain)
-        .await?;
+    let token = CancellationToken::new();
+    shutdown::cancel_on_signal(token.clone());
+    let s = state.clone();
+    let load = Arc::new(move || pdserve_prefill::http::load_report(&s));
+    registration::start(&args.registration, registration, load, token.clone());
+    // Queued and running jobs, and jobs still delivering their KV.
+    let (s1, s2) = (state.clone(), state.clone());
+    let drain = Drain {
+        stop_accepting: Box::new(move || s1.ready.store(false, Ordering::Relaxed)),
+        in_flight: Box::new(move || s2.in_flight()),
+        deadline: Duration::from_secs(args.drain.drain_seconds),
+    };
+    shutdown::serve(listener, build_app(state), token, drain).await?;
     tracing::info!("stopped");
     Ok(())
-}
-
-/// On shutdown: refuse new jobs, let queued and running ones deliver their KV
-/// (bounded by `deadline`), then let the server close.
-async fn drain(state: Arc<AppState>, token: CancellationToken, deadline: Duration) {
-    token.cancelled().await;
-    state.ready.store(false, Ordering::Relaxed);
-    let until = Instant::now() + deadline;
-    while Instant::now() < until && state.engine.in_flight() > 0 {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    tracing::info!("drained");
 }

@@ -9,6 +9,7 @@ pub struct PrefillMetrics {
     pub queue_depth: IntGaugeVec,
     pub queue_depth_tokens: IntGaugeVec,
     pub prefill_seconds: Histogram,
+    pub batch_size: Histogram,
     pub prompt_tokens: IntCounter,
     pub kv_transfer_bytes: IntCounter,
     pub kv_transfer_seconds: Histogram,
@@ -34,6 +35,12 @@ impl PrefillMetrics {
                 m::PREFILL_SECONDS,
                 "Compute time of one prompt.",
                 m::REQUEST_BUCKETS,
+            ),
+            batch_size: m::histogram(
+                &r,
+                m::PREFILL_BATCH_SIZE,
+                "Prompts run together in one batch of forward passes.",
+                m::BATCH_BUCKETS,
             ),
             prompt_tokens: m::counter(&r, m::PROMPT_TOKENS_TOTAL, "Prompt tokens prefilled."),
             kv_transfer_bytes: m::counter(

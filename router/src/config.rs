@@ -109,6 +109,13 @@ pub struct Args {
     /// Extra prefill attempts, on other workers, after a retryable failure.
     #[arg(long, env = "PDSERVE_PREFILL_RETRIES", default_value_t = 2)]
     pub prefill_retries: u32,
+    /// Milliseconds to wait for a decode worker's answer (its reservation).
+    #[arg(
+        long,
+        env = "PDSERVE_WORKER_CONNECT_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    pub worker_connect_timeout_ms: u64,
     /// Decode workers tried before a request fails with 503.
     #[arg(long, env = "PDSERVE_DECODE_ATTEMPTS", default_value_t = 3)]
     pub decode_attempts: u32,
@@ -117,6 +124,8 @@ pub struct Args {
     pub drain_seconds: u64,
     #[command(flatten)]
     pub local: crate::supervisor::LocalArgs,
+    #[command(flatten)]
+    pub autoscaler: crate::autoscaler::AutoscalerArgs,
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }
@@ -130,6 +139,7 @@ pub struct DispatchConfig {
     pub prefill_timeout: Duration,
     pub prefill_retries: u32,
     pub decode_attempts: u32,
+    pub connect_timeout: Duration,
 }
 
 /// Front-end limits, validated.
@@ -154,6 +164,7 @@ impl Args {
         for dns in self.prefill_dns.iter().chain(&self.decode_dns) {
             crate::discovery::parse_host_port(dns)?;
         }
+        self.autoscaler.validate()?;
         if self.api_keys.iter().any(|k| k.is_empty()) {
             return Err("an API key must not be empty".into());
         }
@@ -183,6 +194,7 @@ impl Args {
             prefill_timeout: Duration::from_secs(self.prefill_timeout_seconds),
             prefill_retries: self.prefill_retries,
             decode_attempts: self.decode_attempts,
+            connect_timeout: Duration::from_millis(self.worker_connect_timeout_ms.max(1)),
         }
     }
 

@@ -26,8 +26,6 @@ use crate::ndjson::LineReader;
 use crate::policy::{Policy, RequestInfo};
 use crate::registry::{Registry, WorkerView};
 
-/// Time to get response headers from a worker.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Events buffered between the upstream reader and the client.
 const EVENT_BUFFER: usize = 64;
 
@@ -99,7 +97,7 @@ impl Dispatcher {
         metrics: Arc<RouterMetrics>,
     ) -> Self {
         let client = reqwest::Client::builder()
-            .connect_timeout(CONNECT_TIMEOUT)
+            .connect_timeout(cfg.connect_timeout)
             .tcp_nodelay(true)
             .build()
             .unwrap_or_default();
@@ -196,10 +194,14 @@ impl Dispatcher {
 
     async fn try_decode(&self, w: &WorkerView, body: &GenerateRequest) -> Result<Decode, ApiError> {
         let url = format!("{}/v1/internal/generate", w.url);
-        let resp = self.post(Pool::Decode, &w.url, &url, body).await?;
+        let resp = self
+            .post(Pool::Decode, (&w.url, &url), body, self.cfg.connect_timeout)
+            .await?;
         let mut reader = LineReader::new(resp);
-        let first = tokio::time::timeout(CONNECT_TIMEOUT, reader.next::<GenerateEvent>()).await;
-        let first = first.map_err(|_| self.upstream(Pool::Decode, format!("{} sent no reservation", w.url)))?;
+        let first =
+            tokio::time::timeout(self.cfg.connect_timeout, reader.next::<GenerateEvent>()).await;
+        let first = first
+            .map_err(|_| self.upstream(Pool::Decode, format!("{} sent no reservation", w.url)))?;
         match first {
             Ok(Some(GenerateEvent::Reserved { kv_url })) => Ok(Decode {
                 url: w.url.clone(),
@@ -220,15 +222,17 @@ impl Dispatcher {
 
     /// POSTs JSON to a worker; a refusal becomes the worker's error, a
     /// connection failure marks the worker down.
+    /// `within` bounds the wait for the response headers: a decode worker
+    /// answers at once, a prefill worker only when the KV is delivered.
     async fn post<T: serde::Serialize>(
         &self,
         pool: Pool,
-        base: &str,
-        url: &str,
+        (base, url): (&str, &str),
         body: &T,
+        within: Duration,
     ) -> Result<reqwest::Response, ApiError> {
         let send = self.client.post(url).json(body).send();
-        let resp = match tokio::time::timeout(CONNECT_TIMEOUT, send).await {
+        let resp = match tokio::time::timeout(within, send).await {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
                 self.registry.mark_down(base);
@@ -356,7 +360,8 @@ impl Dispatcher {
 
     async fn prefill_once(&self, base: &str, job: &PrefillJob) -> Result<PrefillResult, ApiError> {
         let url = format!("{base}/v1/internal/prefill");
-        let resp = self.post(Pool::Prefill, base, &url, job).await?;
+        let within = self.cfg.prefill_timeout;
+        let resp = self.post(Pool::Prefill, (base, &url), job, within).await?;
         resp.json::<PrefillResult>()
             .await
             .map_err(|e| self.upstream(Pool::Prefill, format!("{base}: bad prefill result: {e}")))

@@ -173,14 +173,8 @@ async fn chat(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let started = Instant::now();
-    let r = async {
-        let permit = s.admit()?;
-        let req: ChatCompletionRequest = parse(body, s.frontend.limits.max_body_bytes)?;
-        let prepared = s.frontend.prepare_chat(&req)?;
-        serve(&s, Format::Chat, prepared, &headers, started, permit).await
-    };
-    finish(&s, labels::ENDPOINT_CHAT, r.await)
+    let prepare = |f: &Frontend, r: &ChatCompletionRequest| f.prepare_chat(r);
+    generate(&s, &headers, body, Format::Chat, prepare).await
 }
 
 async fn completions(
@@ -188,14 +182,30 @@ async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let prepare = |f: &Frontend, r: &CompletionRequest| f.prepare_completion(r);
+    generate(&s, &headers, body, Format::Completion, prepare).await
+}
+
+/// Both generation endpoints: admit, parse, prepare, serve; count failures.
+async fn generate<R: DeserializeOwned>(
+    s: &Arc<AppState>,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    format: Format,
+    prepare: impl Fn(&Frontend, &R) -> Result<Prepared, ApiError>,
+) -> Response {
     let started = Instant::now();
     let r = async {
         let permit = s.admit()?;
-        let req: CompletionRequest = parse(body, s.frontend.limits.max_body_bytes)?;
-        let prepared = s.frontend.prepare_completion(&req)?;
-        serve(&s, Format::Completion, prepared, &headers, started, permit).await
+        let req: R = parse(body, s.frontend.limits.max_body_bytes)?;
+        let prepared = prepare(&s.frontend, &req)?;
+        serve(s, format, prepared, headers, started, permit).await
     };
-    finish(&s, labels::ENDPOINT_COMPLETIONS, r.await)
+    let endpoint = match format {
+        Format::Chat => labels::ENDPOINT_CHAT,
+        Format::Completion => labels::ENDPOINT_COMPLETIONS,
+    };
+    finish(s, endpoint, r.await)
 }
 
 async fn serve(

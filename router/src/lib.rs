@@ -3,6 +3,7 @@
 //! a decode worker and (unless it is prefilled locally) a prefill worker,
 //! relays the tokens back as text, and keeps the worker registry.
 
+pub mod autoscaler;
 pub mod config;
 pub mod discovery;
 pub mod dispatch;

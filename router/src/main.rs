@@ -1,9 +1,11 @@
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
 use pdserve_protocol::internal::Pool;
+use pdserve_router::autoscaler::{self, Executor, ExecutorKind, ExportOnly, LocalExecutor};
 use pdserve_router::supervisor::{Supervisor, SupervisorConfig};
 use pdserve_router::{build_app, build_state, discovery, discovery_config, Args};
 use tokio_util::sync::CancellationToken;
@@ -35,6 +37,22 @@ async fn main() -> anyhow::Result<()> {
         (0..args.local.local_decode).for_each(|_| sup.spawn(Pool::Decode));
         sup
     });
+    let executor: Arc<dyn Executor> = match (args.autoscaler.autoscaler_executor, &local) {
+        (Some(ExecutorKind::Local) | None, Some(sup)) => Arc::new(LocalExecutor(sup.clone())),
+        (Some(ExecutorKind::Local), None) => {
+            anyhow::bail!(
+                "--autoscaler-executor local needs local workers (--local-prefill/--local-decode)"
+            )
+        }
+        (_, _) => Arc::new(ExportOnly(state.registry.clone())),
+    };
+    autoscaler::spawn(
+        state.registry.clone(),
+        state.metrics.clone(),
+        executor,
+        args.autoscaler.clone(),
+        shutdown.clone(),
+    );
     tracing::info!(%addr, model = %state.frontend.model_name, "listening");
     let s = state.clone();
     let token = shutdown.clone();

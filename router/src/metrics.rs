@@ -5,7 +5,8 @@
 use pdserve_protocol::internal::Pool;
 use pdserve_runtime::metrics::{self as m, labels};
 use prometheus::{
-    Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry,
+    Gauge, GaugeVec, Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Registry,
 };
 
 use crate::registry;
@@ -26,6 +27,9 @@ pub struct RouterMetrics {
     pub queue_depth_tokens: IntGaugeVec,
     pub active_sequences: IntGaugeVec,
     pub workers: IntGaugeVec,
+    pub prefill_backlog: Gauge,
+    pub pool_kv_usage: GaugeVec,
+    pub desired_replicas: IntGaugeVec,
 }
 
 pub fn pool_label(pool: Pool) -> &'static str {
@@ -101,6 +105,18 @@ impl RouterMetrics {
                 pool,
             ),
             workers: m::int_gauge_vec(&r, m::WORKERS, "Workers by pool and state.", &["pool", "state"]),
+            prefill_backlog: m::gauge(
+                &r,
+                m::PREFILL_BACKLOG_SECONDS,
+                "Pending prompt tokens over one prefill replica's throughput: the prefill autoscaling signal.",
+            ),
+            pool_kv_usage: m::gauge_vec(&r, m::POOL_KV_USAGE_RATIO, "KV cache in use across the pool's workers.", pool),
+            desired_replicas: m::int_gauge_vec(
+                &r,
+                m::AUTOSCALER_DESIRED_REPLICAS,
+                "The autoscaler's decision per pool.",
+                pool,
+            ),
             registry: r,
         }
     }

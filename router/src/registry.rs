@@ -218,6 +218,24 @@ impl Registry {
             .any(|e| e.pool == pool && e.health == Health::Ready)
     }
 
+    /// Live (not down) workers of `pool`.
+    pub fn live(&self, pool: Pool) -> usize {
+        let map = self.lock();
+        map.values()
+            .filter(|e| e.pool == pool && e.health != Health::Down)
+            .count()
+    }
+
+    /// Live workers of `pool` that have measured their throughput.
+    pub fn reporting(&self, pool: Pool) -> usize {
+        let map = self.lock();
+        map.values()
+            .filter(|e| {
+                e.pool == pool && e.health != Health::Down && e.load.tokens_per_second > 0.0
+            })
+            .count()
+    }
+
     /// Counts work sent to `url` until the returned guard is dropped.
     pub fn assign(self: &Arc<Self>, url: &str, tokens: u64) -> Assignment {
         if let Some(e) = self.lock().get_mut(url) {

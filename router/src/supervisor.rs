@@ -86,35 +86,61 @@ struct Slot {
 
 pub struct Supervisor {
     cfg: SupervisorConfig,
-    slots: Mutex<Vec<Slot>>,
+    slots: Mutex<Slots>,
+}
+
+#[derive(Default)]
+struct Slots {
+    running: Vec<Slot>,
+    /// Workers told to drain, until they exit.
+    draining: Vec<JoinHandle<()>>,
+    /// Workers started so far: each gets its own cores.
+    started: usize,
 }
 
 impl Supervisor {
     pub fn new(cfg: SupervisorConfig) -> Arc<Self> {
         Arc::new(Self {
             cfg,
-            slots: Mutex::new(Vec::new()),
+            slots: Mutex::new(Slots::default()),
         })
     }
 
-    fn slots(&self) -> std::sync::MutexGuard<'_, Vec<Slot>> {
+    fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Starts one more supervised worker of `pool`.
     pub fn spawn(self: &Arc<Self>, pool: Pool) {
         let mut slots = self.slots();
-        let ordinal = slots.len();
+        let ordinal = slots.started;
+        slots.started += 1;
+        slots.draining.retain(|t| !t.is_finished());
         let stop = CancellationToken::new();
         let me = self.clone();
         let token = stop.clone();
         let task = tokio::spawn(async move { me.supervise(pool, ordinal, token).await });
-        slots.push(Slot { pool, stop, task });
+        slots.running.push(Slot { pool, stop, task });
     }
 
-    /// Local workers per pool.
+    /// Drains the newest worker of `pool`: SIGTERM, so it stops taking work,
+    /// finishes (or delivers) what it has, deregisters and exits.
+    pub fn drain_one(&self, pool: Pool) {
+        let mut slots = self.slots();
+        if let Some(i) = slots.running.iter().rposition(|s| s.pool == pool) {
+            let slot = slots.running.remove(i);
+            slot.stop.cancel();
+            slots.draining.push(slot.task);
+        }
+    }
+
+    /// Local workers per pool (draining ones excluded).
     pub fn count(&self, pool: Pool) -> usize {
-        self.slots().iter().filter(|s| s.pool == pool).count()
+        self.slots()
+            .running
+            .iter()
+            .filter(|s| s.pool == pool)
+            .count()
     }
 
     fn command(&self, pool: Pool, ordinal: usize) -> Command {
@@ -202,12 +228,17 @@ impl Supervisor {
 
     /// Stops every worker (they drain in parallel) and waits for them.
     pub async fn shutdown(&self) {
-        let slots: Vec<Slot> = std::mem::take(&mut *self.slots());
-        for s in &slots {
+        let slots = std::mem::take(&mut *self.slots());
+        for s in &slots.running {
             s.stop.cancel();
         }
-        for s in slots {
-            let _ = s.task.await;
+        let tasks = slots
+            .running
+            .into_iter()
+            .map(|s| s.task)
+            .chain(slots.draining);
+        for t in tasks {
+            let _ = t.await;
         }
     }
 }

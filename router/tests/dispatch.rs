@@ -210,3 +210,69 @@ async fn a_client_that_disconnects_frees_its_kv() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_slower_than_the_connect_timeout_is_not_retried() {
+    // Regression: the prefill call answers only once the KV is delivered, so
+    // it must wait for the prefill deadline, not the (short) connect timeout.
+    let real = Arc::new(std::sync::Mutex::new(String::new()));
+    let target = real.clone();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let load = LoadReport {
+        ready: true,
+        ..Default::default()
+    };
+    let slow = axum::Router::new()
+        .route("/load", get(move || async move { Json(load.clone()) }))
+        .route(
+            "/v1/internal/prefill",
+            route_post(move |body: axum::body::Bytes| async move {
+                counter.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                let url = format!("{}/v1/internal/prefill", target.lock().unwrap());
+                let r = reqwest::Client::new()
+                    .post(url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .unwrap();
+                (
+                    axum::http::StatusCode::from_u16(r.status().as_u16()).unwrap(),
+                    r.bytes().await.unwrap(),
+                )
+            }),
+        );
+    let slow = serve(slow).await;
+    let c = cluster(Opts {
+        prefill: 1,
+        ..Default::default()
+    })
+    .await;
+    *real.lock().unwrap() = c.prefill_urls[0].clone();
+    let p = c.model_path.to_str().unwrap();
+    let (url, _) = router(
+        p,
+        &[slow],
+        &c.decode_urls,
+        &[
+            "--mode",
+            "disaggregated",
+            "--worker-connect-timeout-ms",
+            "200",
+        ],
+    )
+    .await;
+    text(
+        &url,
+        "A prompt that takes a while",
+        json!({"max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "one prefill attempt, no retries"
+    );
+}

@@ -264,3 +264,42 @@ async fn the_openai_python_sdk_works_against_the_real_model() {
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(stdout.contains("all openai SDK checks passed"), "{stdout}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_binary_exports_metrics_promtool_accepts() {
+    // deploy/validate.sh starts the three binaries on loopback, sends one
+    // request, runs `promtool check metrics` on each /metrics and checks
+    // every name is one of shared/runtime's constants.
+    let Some(model) = real_model() else {
+        eprintln!("skipped: {REAL_MODEL} is not present");
+        return;
+    };
+    let has_promtool = Command::new("promtool").arg("--version").output().is_ok();
+    assert!(
+        has_promtool || !in_ci(),
+        "CI installs promtool (Debian's prometheus package)"
+    );
+    if !has_promtool || !workers_built() {
+        eprintln!("skipped: promtool is not installed");
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_pdserve-router"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let out = tokio::process::Command::new("bash")
+        .arg(root.join("deploy/validate.sh"))
+        .arg("--only-metrics")
+        .arg(&bin_dir)
+        .env("PDSERVE_MODEL", &model)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -8,8 +8,9 @@ use pdserve_decode::state::AppState;
 use pdserve_decode::{build_app, build_state, Args};
 use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
 use pdserve_engine::testing::{write_tiny_gguf, TinyModelSpec};
-use pdserve_engine::{KvPool, LoadOptions, Model, WeightFormat};
+use pdserve_engine::{KvDtype, KvPool, LoadOptions, Model, WeightFormat};
 use pdserve_protocol::internal::{GenerateEvent, GenerateRequest, KvSource, SamplingSpec};
+use pdserve_protocol::kvwire::{self, KvHeader, KvTrailer};
 
 pub const EOS: u32 = 2;
 
@@ -20,10 +21,21 @@ pub struct Worker {
     _dir: tempfile::TempDir,
 }
 
-pub async fn start(extra: &[&str]) -> Worker {
+/// The tiny model written to a temporary directory, and loaded.
+pub fn tiny_model() -> (tempfile::TempDir, std::path::PathBuf, Arc<Model>) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.gguf");
     write_tiny_gguf(&path, &TinyModelSpec::default()).unwrap();
+    let opts = LoadOptions {
+        weights: WeightFormat::Q8_0,
+        ..Default::default()
+    };
+    let model = Arc::new(Model::load(&path, &opts).unwrap());
+    (dir, path, model)
+}
+
+pub async fn start(extra: &[&str]) -> Worker {
+    let (dir, path, model) = tiny_model();
     let mut argv = vec![
         "pdserve-decode",
         "--model",
@@ -33,11 +45,6 @@ pub async fn start(extra: &[&str]) -> Worker {
     ];
     argv.extend_from_slice(extra);
     let args = Args::parse_from(argv);
-    let opts = LoadOptions {
-        weights: WeightFormat::Q8_0,
-        ..Default::default()
-    };
-    let model = Arc::new(Model::load(&path, &opts).unwrap());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let state = build_state(model.clone(), EOS, &args, url.clone());
@@ -108,6 +115,20 @@ impl Lines {
         }
     }
 
+    /// The events until the stream ends or breaks (a worker that went away).
+    pub async fn try_all(mut self) -> Vec<GenerateEvent> {
+        let mut out = Vec::new();
+        while let Ok(Some(c)) = self.resp.chunk().await {
+            self.buf.extend_from_slice(&c);
+        }
+        for line in self.buf.split(|&b| b == b'\n') {
+            if let Ok(e) = serde_json::from_slice(line) {
+                out.push(e);
+            }
+        }
+        out
+    }
+
     pub async fn all(mut self) -> Vec<GenerateEvent> {
         let mut out = Vec::new();
         while let Some(e) = self.next().await {
@@ -169,4 +190,61 @@ pub async fn wait_kv_free(url: &str) -> bool {
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
     false
+}
+
+/// Computes a prompt's KV and first token like a prefill worker would, as a kvwire stream.
+pub fn kv_stream(
+    model: &Model,
+    id: &str,
+    p: &[u32],
+    chunk: usize,
+    dtype: KvDtype,
+) -> (Vec<u8>, u32) {
+    let pool = pdserve_engine::KvPool::new(model.kv_layout(), 4096);
+    let mut kv = pool.allocate(p.len()).unwrap();
+    let layout = model.kv_layout();
+    let header = KvHeader {
+        request_id: id.into(),
+        model_fingerprint: model.fingerprint(),
+        dtype: dtype.into(),
+        n_layers: layout.n_layers as u32,
+        n_kv_heads: layout.n_kv_heads as u32,
+        head_dim: layout.head_dim as u32,
+        n_tokens: p.len() as u32,
+        seed: 0,
+    };
+    let mut out = kvwire::encode_header(&header).unwrap();
+    let mut logits = Vec::new();
+    for (c, tokens) in p.chunks(chunk).enumerate() {
+        logits = model.prefill(tokens, &mut kv).unwrap();
+        let start = c * chunk;
+        for l in 0..layout.n_layers {
+            let mut bytes = Vec::new();
+            kv.export_layer(l, dtype, &mut bytes);
+            let (k, v) = bytes.split_at(bytes.len() / 2);
+            let row = layout.row() * dtype.size();
+            let range = start * row..(start + tokens.len()) * row;
+            let parts = [(&k[range.clone()], &v[range])];
+            kvwire::encode_layer_parts(
+                l as u32,
+                start as u32,
+                tokens.len() as u32,
+                &parts,
+                &mut out,
+            )
+            .unwrap();
+        }
+    }
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    };
+    let first = sample(&logits, &greedy, p.len() as u64, &TokenCounts::default()).unwrap();
+    let trailer = KvTrailer {
+        first_token: first.token,
+        first_logprob: first.logprob,
+        top_logprobs: vec![],
+    };
+    out.extend(kvwire::encode_end(&trailer).unwrap());
+    (out, first.token)
 }

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use clap::{Args as ClapArgs, Parser, ValueEnum};
 use pdserve_protocol::kvwire::KvDtype;
 use pdserve_runtime::registration::RegistrationArgs;
+use pdserve_runtime::shutdown::DrainArgs;
 use pdserve_runtime::telemetry::TelemetryArgs;
 
 use crate::latency::{read_profile, FitError, LatencyModel};
@@ -55,9 +56,8 @@ pub struct Args {
     pub kv_dtype: KvDtype,
     #[command(flatten)]
     pub latency: LatencyArgs,
-    /// Seconds to let in-flight work finish after SIGTERM.
-    #[arg(long, env = "PDSERVE_DRAIN_SECONDS", default_value_t = 30)]
-    pub drain_seconds: u64,
+    #[command(flatten)]
+    pub drain: DrainArgs,
     #[command(flatten)]
     pub registration: RegistrationArgs,
     #[command(flatten)]

@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use pdserve_engine::ModelConfig;
 use pdserve_protocol::internal::{LoadReport, Pool, WorkerRegistration};
+use pdserve_runtime::shutdown::Drain;
 
 pub use config::{Args, PoolKind};
 use decode::batcher::BatcherConfig;
@@ -115,6 +116,16 @@ impl Worker {
         match self {
             Self::Decode(s) => s.in_flight(),
             Self::Prefill(s) => s.in_flight(),
+        }
+    }
+
+    /// What the shared drain (`pdserve_runtime::shutdown::serve`) needs.
+    pub fn drain(&self, deadline: std::time::Duration) -> Drain {
+        let (stopping, counting) = (self.clone(), self.clone());
+        Drain {
+            stop_accepting: Box::new(move || stopping.readiness().stop()),
+            in_flight: Box::new(move || counting.in_flight()),
+            deadline,
         }
     }
 

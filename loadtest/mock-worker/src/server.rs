@@ -1,8 +1,7 @@
-//! What both pools' HTTP sides share: readiness, the metrics page, request
-//! admission, and the drain on shutdown.
+//! What both pools' HTTP sides share: readiness, the metrics page and
+//! request admission.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
 use axum::http::{header, StatusCode};
@@ -10,7 +9,6 @@ use axum::response::IntoResponse;
 use axum::Json;
 use pdserve_protocol::internal::ErrorBody;
 use pdserve_runtime::http::ApiError;
-use tokio_util::sync::CancellationToken;
 
 /// Ready to take work: true from the start (nothing to load), false once draining.
 #[derive(Debug)]
@@ -59,29 +57,4 @@ pub fn metrics_page(registry: &prometheus::Registry) -> impl IntoResponse {
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         pdserve_runtime::metrics::render(registry),
     )
-}
-
-/// On shutdown: stop taking work, let in-flight work finish (at most
-/// `deadline`), then return so the server closes.
-pub async fn drain(
-    readiness: &Readiness,
-    in_flight: impl Fn() -> u64,
-    token: CancellationToken,
-    deadline: Duration,
-) {
-    token.cancelled().await;
-    readiness.stop();
-    let until = tokio::time::Instant::now() + deadline;
-    let mut tick = tokio::time::interval(Duration::from_millis(50));
-    while in_flight() > 0 {
-        tokio::select! {
-            biased;
-            _ = tokio::time::sleep_until(until) => {
-                tracing::warn!(in_flight = in_flight(), "drain deadline reached");
-                return;
-            }
-            _ = tick.tick() => {}
-        }
-    }
-    tracing::info!("drained");
 }

@@ -270,12 +270,9 @@ async fn load_and_metrics_report_what_happened() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn draining_refuses_new_work_and_lets_running_work_finish() {
     let model = tiny_model();
-    let d = spawn(
-        &model,
-        "decode",
-        &["--step-fixed-ms", "10", "--step-ms-per-seq", "0"],
-    )
-    .await;
+    let token = tokio_util::sync::CancellationToken::new();
+    let flags = ["--step-fixed-ms", "10", "--step-ms-per-seq", "0"];
+    let (d, served) = spawn_draining(&model, "decode", &flags, token.clone()).await;
     let mut running = post(
         &d.url,
         "/v1/internal/generate",
@@ -287,20 +284,6 @@ async fn draining_refuses_new_work_and_lets_running_work_finish() {
         next_event(&mut running, &mut buf).await,
         Some(GenerateEvent::Reserved { .. })
     ));
-    let token = tokio_util::sync::CancellationToken::new();
-    let w = d.worker.clone();
-    let drained = tokio::spawn({
-        let token = token.clone();
-        async move {
-            pdserve_mock_worker::server::drain(
-                w.readiness(),
-                || w.in_flight(),
-                token,
-                Duration::from_secs(30),
-            )
-            .await
-        }
-    });
     token.cancel();
     wait_until(Duration::from_secs(5), || async {
         reqwest::get(format!("{}/ready", d.url))
@@ -323,9 +306,8 @@ async fn draining_refuses_new_work_and_lets_running_work_finish() {
         tokens += matches!(e, GenerateEvent::Token { .. }) as usize;
     }
     assert_eq!(tokens, 30, "the running sequence finished");
-    tokio::time::timeout(Duration::from_secs(5), drained)
-        .await
-        .unwrap()
-        .unwrap();
+    // Drained: the server closes by itself.
+    let closed = tokio::time::timeout(Duration::from_secs(5), served).await;
+    closed.unwrap().unwrap().unwrap();
     assert_eq!(d.worker.in_flight(), 0);
 }

@@ -113,21 +113,16 @@ impl Header {
     ) -> Value {
         let finish_reason = finish_reason.map(str::to_string);
         let value = match self.format {
-            Format::Chat => serde_json::to_value(ChatCompletionChunk {
-                id: self.id.clone(),
-                object: "chat.completion.chunk".into(),
-                created: self.created,
-                model: self.model.clone(),
-                system_fingerprint: self.fingerprint.clone(),
-                choices: vec![ChatChunkChoice {
+            Format::Chat => serde_json::to_value(self.chat_chunk(
+                vec![ChatChunkChoice {
                     index,
                     logprobs: matches!(self.logprobs, LogprobMode::Chat(_))
                         .then(|| chat_logprobs(tok, tokens)),
                     delta,
                     finish_reason,
                 }],
-                usage: self.usage_field(),
-            }),
+                self.usage_field(),
+            )),
             Format::Completion => serde_json::to_value(self.completion(
                 vec![CompletionChoice {
                     index,
@@ -145,20 +140,24 @@ impl Header {
     /// The last chunk of a stream with `include_usage`: no choices, the totals.
     pub fn usage_chunk(&self, usage: Usage) -> Value {
         let value = match self.format {
-            Format::Chat => serde_json::to_value(ChatCompletionChunk {
-                id: self.id.clone(),
-                object: "chat.completion.chunk".into(),
-                created: self.created,
-                model: self.model.clone(),
-                system_fingerprint: self.fingerprint.clone(),
-                choices: vec![],
-                usage: UsageField::Some(usage),
-            }),
+            Format::Chat => serde_json::to_value(self.chat_chunk(vec![], UsageField::Some(usage))),
             Format::Completion => {
                 serde_json::to_value(self.completion(vec![], UsageField::Some(usage)))
             }
         };
         value.unwrap_or(Value::Null)
+    }
+
+    fn chat_chunk(&self, choices: Vec<ChatChunkChoice>, usage: UsageField) -> ChatCompletionChunk {
+        ChatCompletionChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk".into(),
+            created: self.created,
+            model: self.model.clone(),
+            system_fingerprint: self.fingerprint.clone(),
+            choices,
+            usage,
+        }
     }
 
     fn completion(&self, choices: Vec<CompletionChoice>, usage: UsageField) -> Completion {

@@ -33,6 +33,10 @@ pub enum EngineError {
     /// The caller passed something the engine cannot process (empty prompt, bad token id, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),
+    /// The layer callback stopped the forward pass (cancelled, or nobody
+    /// wants the result any more); the segments' KV is unchanged.
+    #[error("the forward pass was stopped after layer {after_layer}")]
+    Interrupted { after_layer: usize },
 }
 
 impl EngineError {
@@ -47,6 +51,7 @@ impl EngineError {
             Self::Tokenizer(_) => "tokenizer",
             Self::ChatTemplate(_) => "chat_template",
             Self::InvalidInput(_) => "invalid_input",
+            Self::Interrupted { .. } => "interrupted",
         }
     }
 }

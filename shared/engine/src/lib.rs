@@ -29,6 +29,6 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{ModelConfig, PromptError};
 pub use error::{EngineError, Result};
 pub use kv::{KvDtype, KvError, KvLayout, KvPool, KvUsage, SeqKv};
-pub use model::{LoadOptions, Logits, Model, Segment};
+pub use model::{every_layer, LoadOptions, Logits, Model, OnLayer, Segment};
 pub use tokenizer::Tokenizer;
 pub use weights::WeightFormat;

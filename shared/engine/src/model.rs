@@ -7,6 +7,7 @@
 
 use std::fs::File;
 use std::io::BufReader;
+use std::ops::ControlFlow;
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::Content;
@@ -41,6 +42,14 @@ pub struct Segment<'a> {
     /// The sequence's KV; the tokens are appended at `kv.len()`.
     pub kv: &'a mut SeqKv,
     pub tokens: &'a [u32],
+}
+
+/// Called after each layer of a forward pass; `Break` stops the pass.
+pub type OnLayer<'a> = dyn FnMut(usize, &[Segment<'_>]) -> ControlFlow<()> + 'a;
+
+/// A layer callback that lets the forward pass run to the end.
+pub fn every_layer(_: usize, _: &[Segment<'_>]) -> ControlFlow<()> {
+    ControlFlow::Continue(())
 }
 
 /// Logits of the last position of each segment, `[segments, vocab]`.
@@ -206,7 +215,7 @@ impl Model {
     /// Runs `tokens` (a whole prompt, or the next chunk of one) into `kv` and
     /// returns the logits of the last position.
     pub fn prefill(&self, tokens: &[u32], kv: &mut SeqKv) -> Result<Vec<f32>> {
-        let logits = self.forward(&mut [Segment { kv, tokens }], &mut |_, _| {})?;
+        let logits = self.forward(&mut [Segment { kv, tokens }], &mut every_layer)?;
         Ok(logits.data)
     }
 
@@ -218,19 +227,17 @@ impl Model {
             .zip(&tokens)
             .map(|((kv, _), t)| Segment { kv, tokens: t })
             .collect();
-        self.forward(&mut segs, &mut |_, _| {})
+        self.forward(&mut segs, &mut every_layer)
     }
 
     /// The general forward: appends each segment's tokens to its KV and returns
     /// the last-position logits of every segment. `on_layer(l, segs)` is
     /// called once layer `l`'s KV is written for all segments (read it with
-    /// [`SeqKv::export_rows`] to stream it while the forward goes on). On
-    /// error, no segment's KV changes.
-    pub fn forward(
-        &self,
-        segs: &mut [Segment<'_>],
-        on_layer: &mut dyn FnMut(usize, &[Segment<'_>]),
-    ) -> Result<Logits> {
+    /// [`SeqKv::export_rows`] to stream it while the forward goes on); when it
+    /// returns `Break`, the later layers are not computed and the forward
+    /// fails with [`EngineError::Interrupted`]. On error, no segment's KV
+    /// changes.
+    pub fn forward(&self, segs: &mut [Segment<'_>], on_layer: &mut OnLayer<'_>) -> Result<Logits> {
         let rows = self.plan(segs)?;
         let result = self.run_layers(segs, &rows, on_layer);
         for s in segs.iter_mut() {
@@ -290,14 +297,16 @@ impl Model {
         &self,
         segs: &mut [Segment<'_>],
         rows: &[(usize, usize)],
-        on_layer: &mut dyn FnMut(usize, &[Segment<'_>]),
+        on_layer: &mut OnLayer<'_>,
     ) -> Result<Vec<f32>> {
         let tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let mut x = self.clock.time(Stage::Embed, || self.embed(&tokens))?;
         for (l, layer) in self.layers.iter().enumerate() {
             self.attention_block(l, layer, &mut x, segs, rows)?;
             self.ffn_block(layer, &mut x)?;
-            on_layer(l, segs);
+            if on_layer(l, segs).is_break() {
+                return Err(EngineError::Interrupted { after_layer: l });
+            }
         }
         Ok(x)
     }

@@ -2,10 +2,13 @@
 
 mod common;
 
+use std::ops::ControlFlow;
+
 use common::*;
 use pdserve_engine::testing::TinyModelSpec;
 use pdserve_engine::{
-    ChatMessage, EngineError, KvDtype, KvError, KvPool, Model, Segment, Tokenizer, WeightFormat,
+    every_layer, ChatMessage, EngineError, KvDtype, KvError, KvPool, Model, Segment, Tokenizer,
+    WeightFormat,
 };
 
 const FORMATS: [WeightFormat; 3] = [WeightFormat::Native, WeightFormat::Q8_0, WeightFormat::F32];
@@ -169,7 +172,7 @@ fn mixed_batch_of_prefill_chunks_and_decode_rows() {
                     tokens: &b,
                 },
             ],
-            &mut |_, _| {},
+            &mut every_layer,
         )
         .unwrap();
     let mut ka2 = pool.allocate(20).unwrap();
@@ -196,11 +199,55 @@ fn layer_callback_sees_each_layer_written() {
         }],
         &mut |l, segs| {
             assert_eq!(segs[0].kv.layer_len(l), 9);
-            seen.push(l)
+            seen.push(l);
+            ControlFlow::Continue(())
         },
     )
     .unwrap();
     assert_eq!(seen, [0, 1, 2]);
+}
+
+#[test]
+fn a_layer_callback_can_stop_the_forward_and_the_kv_stays_as_it_was() {
+    let (_d, path) = tiny_model(&TinyModelSpec {
+        n_layers: 4,
+        ..Default::default()
+    });
+    let m = load(&path, WeightFormat::F32);
+    let pool = pool(&m);
+    let (p, more) = (prompt(9), prompt(5));
+    let mut kv = pool.allocate(14).unwrap();
+    m.prefill(&p, &mut kv).unwrap();
+    let mut seen = Vec::new();
+    let err = m
+        .forward(
+            &mut [Segment {
+                kv: &mut kv,
+                tokens: &more,
+            }],
+            &mut |l, _| {
+                seen.push(l);
+                match l {
+                    1 => ControlFlow::Break(()),
+                    _ => ControlFlow::Continue(()),
+                }
+            },
+        )
+        .unwrap_err();
+    assert_eq!(seen, [0, 1], "layers after the break were not computed");
+    assert!(
+        matches!(err, EngineError::Interrupted { after_layer: 1 }),
+        "{err:?}"
+    );
+    assert_eq!(err.kind(), "interrupted");
+    assert_eq!(kv.len(), 9, "the stopped chunk left no rows behind");
+    // The sequence goes on exactly as if the stopped pass had never run.
+    let mut fresh = pool.allocate(14).unwrap();
+    m.prefill(&p, &mut fresh).unwrap();
+    assert_eq!(
+        m.prefill(&more, &mut kv).unwrap(),
+        m.prefill(&more, &mut fresh).unwrap()
+    );
 }
 
 #[test]

@@ -48,3 +48,12 @@ pub fn ndjson<T: serde::Serialize>(items: impl Stream<Item = T> + Send + 'static
         .body(Body::from_stream(lines))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
+
+/// Binds the worker's listener (port 0 picks a free one) and logs its address.
+pub async fn listen(host: &str, port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    let listener = tokio::net::TcpListener::bind((host, port))
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("binding {host}:{port}: {e}")))?;
+    tracing::info!(addr = %listener.local_addr()?, "listening");
+    Ok(listener)
+}

@@ -8,3 +8,4 @@ pub mod queue;
 pub mod registration;
 pub mod shutdown;
 pub mod telemetry;
+pub mod testing;

@@ -13,6 +13,7 @@ pub const QUEUE_DEPTH_TOKENS: &str = "pdserve_queue_depth_tokens";
 pub const DECODE_BATCH_SIZE: &str = "pdserve_decode_batch_size";
 pub const DECODE_STEP_SECONDS: &str = "pdserve_decode_step_seconds";
 pub const PREFILL_SECONDS: &str = "pdserve_prefill_seconds";
+pub const PREFILL_BATCH_SIZE: &str = "pdserve_prefill_batch_size";
 pub const PROMPT_TOKENS_TOTAL: &str = "pdserve_prompt_tokens_total";
 pub const GENERATION_TOKENS_TOTAL: &str = "pdserve_generation_tokens_total";
 pub const KV_TRANSFER_BYTES_TOTAL: &str = "pdserve_kv_transfer_bytes_total";
@@ -30,6 +31,10 @@ pub const REQUESTS_IN_FLIGHT: &str = "pdserve_requests_in_flight";
 pub const WORKERS: &str = "pdserve_workers";
 pub const PREFILL_RETRIES_TOTAL: &str = "pdserve_prefill_retries_total";
 pub const WORKER_ERRORS_TOTAL: &str = "pdserve_worker_errors_total";
+// The autoscaler's signals and decision (router).
+pub const PREFILL_BACKLOG_SECONDS: &str = "pdserve_prefill_backlog_seconds";
+pub const POOL_KV_USAGE_RATIO: &str = "pdserve_pool_kv_usage_ratio";
+pub const AUTOSCALER_DESIRED_REPLICAS: &str = "pdserve_autoscaler_desired_replicas";
 
 /// Label values.
 pub mod labels {
@@ -85,6 +90,16 @@ pub fn gauge(registry: &Registry, name: &str, help: &str) -> prometheus::Gauge {
         registry,
         prometheus::Gauge::with_opts(Opts::new(name, help)).expect("valid metric"),
     )
+}
+
+pub fn gauge_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::GaugeVec {
+    let g = prometheus::GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    register(registry, g)
 }
 
 pub fn int_gauge(registry: &Registry, name: &str, help: &str) -> prometheus::IntGauge {

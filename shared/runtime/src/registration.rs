@@ -22,6 +22,19 @@ pub struct RegistrationArgs {
     pub heartbeat_ms: u64,
 }
 
+/// Starts [`spawn`] when the worker was given `--router-url`.
+pub fn start(
+    args: &RegistrationArgs,
+    registration: WorkerRegistration,
+    load: Arc<dyn Fn() -> LoadReport + Send + Sync>,
+    stop: CancellationToken,
+) {
+    if let Some(router) = args.router_url.clone() {
+        let every = Duration::from_millis(args.heartbeat_ms);
+        spawn(router, registration, every, load, stop);
+    }
+}
+
 /// Registers, then heartbeats `load()` until `stop` is cancelled, then deregisters.
 pub fn spawn(
     router_url: String,

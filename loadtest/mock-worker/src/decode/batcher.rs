@@ -138,6 +138,9 @@ impl Batcher {
     }
 
     fn intake(&mut self, job: Job) {
+        // Counted as active before it leaves the queue's count, so a drain
+        // never sees zero in flight while the batcher holds a sequence.
+        self.stats.active.fetch_add(1, Ordering::Relaxed);
         self.stats.queue.taken(u64::from(job.prompt_len));
         let mut seq = Seq {
             id: job.request_id,

@@ -9,7 +9,11 @@ use clap::Parser;
 use pdserve_engine::testing::{write_tiny_gguf, TinyModelSpec};
 use pdserve_mock_worker::{build, Args, Worker};
 use pdserve_protocol::internal::{GenerateEvent, LoadReport};
+use pdserve_runtime::shutdown;
 use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 /// The tiny model's shape: 2 layers, 2 KV heads of dim 16, 266 tokens.
 pub const LAYERS: u64 = 2;
@@ -36,15 +40,37 @@ pub struct Mock {
 
 /// A mock worker of `pool` ("prefill" or "decode") with extra flags.
 pub async fn spawn(model: &Model, pool: &str, extra: &[&str]) -> Mock {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (listener, mock) = build_mock(model, pool, extra).await;
+    let app = mock.worker.app();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    mock
+}
+
+/// Like [`spawn`], served as the binary serves it: it drains (within 30 s)
+/// once `token` is cancelled, and the handle resolves when it has closed.
+pub async fn spawn_draining(
+    model: &Model,
+    pool: &str,
+    extra: &[&str],
+    token: CancellationToken,
+) -> (Mock, JoinHandle<std::io::Result<()>>) {
+    let (listener, mock) = build_mock(model, pool, extra).await;
+    let (app, drain) = (
+        mock.worker.app(),
+        mock.worker.drain(Duration::from_secs(30)),
+    );
+    let served = tokio::spawn(shutdown::serve(listener, app, token, drain));
+    (mock, served)
+}
+
+async fn build_mock(model: &Model, pool: &str, extra: &[&str]) -> (TcpListener, Mock) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let path = model.path.to_str().unwrap();
     let mut argv = vec!["mock", "--pool", pool, "--model", path];
     argv.extend_from_slice(extra);
     let worker = build(&Args::parse_from(argv), url.clone()).unwrap();
-    let app = worker.app();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    Mock { url, worker }
+    (listener, Mock { url, worker })
 }
 
 /// A generate request body for a prompt of `prompt_len` tokens.

@@ -1,0 +1,177 @@
+//! One request against an OpenAI-compatible server, timed chunk by chunk.
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+
+use super::stats::Record;
+use super::workload::Item;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+}
+
+/// A server under test.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Target {
+    pub url: String,
+    pub model: String,
+    #[serde(skip)]
+    pub api_key: Option<String>,
+    pub endpoint: Endpoint,
+    pub stream: bool,
+    /// Send `ignore_eos` so outputs have exactly `max_tokens` tokens.
+    pub ignore_eos: bool,
+    pub timeout: Duration,
+}
+
+impl Target {
+    fn body(&self, item: &Item) -> Value {
+        let mut body = match self.endpoint {
+            Endpoint::Chat => json!({"messages": [{"role": "user", "content": item.prompt}]}),
+            Endpoint::Completions => json!({"prompt": item.prompt}),
+        };
+        let extra = json!({
+            "model": self.model,
+            "max_tokens": item.max_tokens,
+            "temperature": 0,
+            "stream": self.stream,
+        });
+        let obj = body.as_object_mut().expect("an object");
+        obj.extend(extra.as_object().expect("an object").clone());
+        if self.stream {
+            obj.insert("stream_options".into(), json!({"include_usage": true}));
+        }
+        if self.ignore_eos {
+            obj.insert("ignore_eos".into(), json!(true));
+        }
+        body
+    }
+
+    fn path(&self) -> &'static str {
+        match self.endpoint {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+        }
+    }
+}
+
+fn class_of_status(status: reqwest::StatusCode) -> String {
+    match status.as_u16() {
+        429 => "http_429".into(),
+        s if s >= 500 => format!("http_{s}"),
+        s => format!("http_{s}"),
+    }
+}
+
+fn class_of_error(e: &reqwest::Error) -> String {
+    match (e.is_timeout(), e.is_connect()) {
+        (true, _) => "timeout".into(),
+        (_, true) => "connect".into(),
+        _ => "transport".into(),
+    }
+}
+
+/// The text a chunk or response carries for its first choice.
+fn chunk_text(v: &Value) -> Option<&str> {
+    let c = v.get("choices")?.get(0)?;
+    c.get("delta")
+        .and_then(|d| d.get("content"))
+        .or_else(|| c.get("text"))
+        .or_else(|| c.get("message").and_then(|m| m.get("content")))
+        .and_then(Value::as_str)
+}
+
+/// Sends `item`, returning its record (never an `Err`: failures are classified).
+pub async fn send(client: &reqwest::Client, target: &Target, item: &Item) -> Record {
+    let started = Instant::now();
+    let mut rec = Record::default();
+    let mut req = client
+        .post(format!(
+            "{}{}",
+            target.url.trim_end_matches('/'),
+            target.path()
+        ))
+        .timeout(target.timeout)
+        .json(&target.body(item));
+    if let Some(key) = &target.api_key {
+        req = req.bearer_auth(key);
+    }
+    let result = match req.send().await {
+        Err(e) => Err(class_of_error(&e)),
+        Ok(r) if !r.status().is_success() => Err(class_of_status(r.status())),
+        Ok(r) if target.stream => read_stream(r, started, &mut rec).await,
+        Ok(r) => read_whole(r, started, &mut rec).await,
+    };
+    rec.e2e = started.elapsed().as_secs_f64();
+    rec.error = result.err();
+    rec
+}
+
+fn take_usage(v: &Value, rec: &mut Record) {
+    if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+        rec.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as u32;
+        rec.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as u32;
+    }
+}
+
+async fn read_whole(
+    r: reqwest::Response,
+    started: Instant,
+    rec: &mut Record,
+) -> Result<(), String> {
+    let v: Value = r.json().await.map_err(|_| "protocol".to_string())?;
+    rec.ttft = Some(started.elapsed().as_secs_f64());
+    take_usage(&v, rec);
+    match chunk_text(&v) {
+        Some(_) => Ok(()),
+        None => Err("protocol".into()),
+    }
+}
+
+async fn read_stream(
+    r: reqwest::Response,
+    started: Instant,
+    rec: &mut Record,
+) -> Result<(), String> {
+    let mut body = r.bytes_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut last: Option<Instant> = None;
+    let mut chunks = 0u32;
+    loop {
+        while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = buf.drain(..end + 2).collect();
+            let line = String::from_utf8_lossy(&event);
+            let Some(data) = line.trim().strip_prefix("data:").map(str::trim) else {
+                continue;
+            };
+            if data == "[DONE]" {
+                if rec.completion_tokens == 0 {
+                    rec.completion_tokens = chunks;
+                }
+                return Ok(());
+            }
+            let v: Value = serde_json::from_str(data).map_err(|_| "protocol".to_string())?;
+            if v.get("error").is_some() {
+                return Err("stream_error".into());
+            }
+            take_usage(&v, rec);
+            if chunk_text(&v).is_some_and(|t| !t.is_empty()) {
+                let now = Instant::now();
+                match last.replace(now) {
+                    None => rec.ttft = Some(now.duration_since(started).as_secs_f64()),
+                    Some(prev) => rec.itl.push(now.duration_since(prev).as_secs_f64()),
+                }
+                chunks += 1;
+            }
+        }
+        match body.next().await {
+            Some(Ok(bytes)) => buf.extend_from_slice(&bytes),
+            Some(Err(e)) => return Err(class_of_error(&e)),
+            None => return Err("truncated".into()),
+        }
+    }
+}

@@ -1,0 +1,372 @@
+//! `pdserve-loadtest run`: load against one or more OpenAI-compatible
+//! servers, with percentile reports, goodput, JSON and plots.
+
+mod arrivals;
+mod client;
+mod plots;
+mod report;
+mod runner;
+mod scrape;
+pub mod stats;
+mod workload;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde::Serialize;
+
+use client::{Endpoint, Target};
+use runner::{Load, Slice};
+use stats::{Record, Slo, Summary};
+use workload::WorkloadArgs;
+
+/// Options of `pdserve-loadtest run`.
+#[derive(clap::Args, Debug, Clone, Serialize)]
+pub struct RunArgs {
+    /// Base URL of the server under test (OpenAI-compatible; `/v1/...` is appended).
+    #[arg(
+        long,
+        env = "PDSERVE_LOADTEST_URL",
+        default_value = "http://127.0.0.1:8000"
+    )]
+    pub url: String,
+    /// More servers to run the same workload against, interleaved with
+    /// `--url` in slices (A, B, A, B …); the report gives ratios to `--url`.
+    #[arg(
+        long = "compare",
+        env = "PDSERVE_LOADTEST_COMPARE",
+        value_delimiter = ','
+    )]
+    pub compare: Vec<String>,
+    /// Names of the targets in reports, comma-separated (default: the URLs).
+    #[arg(long = "label", env = "PDSERVE_LOADTEST_LABELS", value_delimiter = ',')]
+    pub labels: Vec<String>,
+    /// Model name to request (default: the first of the target's `/v1/models`).
+    #[arg(long, env = "PDSERVE_LOADTEST_MODEL")]
+    pub model: Option<String>,
+    /// Bearer key sent to every target.
+    #[arg(long, env = "PDSERVE_LOADTEST_API_KEY")]
+    #[serde(skip)]
+    pub api_key: Option<String>,
+    /// API to load.
+    #[arg(long, env = "PDSERVE_LOADTEST_ENDPOINT", value_enum, default_value_t = Endpoint::Chat)]
+    pub endpoint: Endpoint,
+    /// Ask for whole responses instead of streams (TTFT is then the whole request).
+    #[arg(long, env = "PDSERVE_LOADTEST_NO_STREAM")]
+    pub no_stream: bool,
+    /// Do not send `ignore_eos` (outputs may end before `max_tokens`).
+    #[arg(long, env = "PDSERVE_LOADTEST_NO_IGNORE_EOS")]
+    pub no_ignore_eos: bool,
+    /// Open loop: arrivals per second.
+    #[arg(long, env = "PDSERVE_LOADTEST_RATE", conflicts_with = "concurrency")]
+    pub rate: Option<f64>,
+    /// Closed loop: clients, each sending its next request when the last ends.
+    #[arg(long, env = "PDSERVE_LOADTEST_CONCURRENCY")]
+    pub concurrency: Option<usize>,
+    /// Open loop: gamma shape of the gaps (1 = Poisson, < 1 bursty).
+    #[arg(long, env = "PDSERVE_LOADTEST_BURSTINESS", default_value_t = 1.0)]
+    pub burstiness: f64,
+    /// A sweep: comma-separated rates (with `--rate`) or concurrencies (with `--concurrency`).
+    #[arg(long, env = "PDSERVE_LOADTEST_SWEEP", value_delimiter = ',')]
+    pub sweep: Vec<f64>,
+    /// Seconds of load per target (per sweep point).
+    #[arg(long, env = "PDSERVE_LOADTEST_DURATION")]
+    pub duration: Option<f64>,
+    /// Requests per target (per sweep point); default 100 without `--duration`.
+    #[arg(long, env = "PDSERVE_LOADTEST_REQUESTS")]
+    pub requests: Option<usize>,
+    /// Seconds at the start whose requests are not measured.
+    #[arg(long, env = "PDSERVE_LOADTEST_WARMUP", default_value_t = 0.0)]
+    pub warmup: f64,
+    /// With `--compare`: seconds per slice of one target.
+    #[arg(long, env = "PDSERVE_LOADTEST_COMPARE_SLICE", default_value_t = 10.0)]
+    pub compare_slice: f64,
+    /// Goodput: time-to-first-token objective in milliseconds.
+    #[arg(long, env = "PDSERVE_LOADTEST_SLO_TTFT_MS")]
+    pub slo_ttft: Option<f64>,
+    /// Goodput: time-per-output-token objective in milliseconds.
+    #[arg(long, env = "PDSERVE_LOADTEST_SLO_TPOT_MS")]
+    pub slo_tpot: Option<f64>,
+    /// One request's timeout in seconds.
+    #[arg(long, env = "PDSERVE_LOADTEST_TIMEOUT", default_value_t = 300.0)]
+    pub timeout: f64,
+    /// Open loop: requests in flight at most before arrivals count as `client_overload`.
+    #[arg(long, env = "PDSERVE_LOADTEST_MAX_IN_FLIGHT", default_value_t = 4096)]
+    pub max_in_flight: usize,
+    /// Write every figure and every request's record as JSON here.
+    #[arg(long, env = "PDSERVE_LOADTEST_JSON")]
+    pub json: Option<PathBuf>,
+    /// Write a Markdown report with SVG plots into this folder.
+    #[arg(long, env = "PDSERVE_LOADTEST_REPORT")]
+    pub report: Option<PathBuf>,
+    /// A Prometheus `/metrics` URL (e.g. the router's) to scrape during the run.
+    #[arg(long, env = "PDSERVE_LOADTEST_SCRAPE_METRICS")]
+    pub scrape_metrics: Option<String>,
+    /// Milliseconds between scrapes.
+    #[arg(
+        long,
+        env = "PDSERVE_LOADTEST_SCRAPE_INTERVAL_MS",
+        default_value_t = 1000
+    )]
+    pub scrape_interval_ms: u64,
+    /// No progress bar.
+    #[arg(long, env = "PDSERVE_LOADTEST_NO_PROGRESS")]
+    pub no_progress: bool,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+}
+
+/// One target's results at one sweep point.
+#[derive(Debug, Clone, Serialize)]
+pub struct TargetResult {
+    pub label: String,
+    pub url: String,
+    pub summary: Summary,
+    pub records: Vec<Record>,
+}
+
+/// One sweep point (or the only point).
+#[derive(Debug, Clone, Serialize)]
+pub struct Point {
+    /// `rate` or `concurrency`.
+    pub kind: &'static str,
+    pub value: f64,
+    pub targets: Vec<TargetResult>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RunReport {
+    pub args: RunArgs,
+    pub model: String,
+    pub started_unix: u64,
+    pub points: Vec<Point>,
+    pub scrape: Vec<scrape::Sample>,
+}
+
+impl RunArgs {
+    fn check(&self) -> anyhow::Result<()> {
+        if self.rate.is_none() && self.concurrency.is_none() {
+            bail!("give --rate (open loop) or --concurrency (closed loop)");
+        }
+        if self.duration.is_none() && self.requests.is_none() && !self.compare.is_empty() {
+            bail!("--compare needs --duration (its slices are timed)");
+        }
+        if self.sweep.iter().any(|v| *v <= 0.0) {
+            bail!("sweep values must be positive");
+        }
+        if self.compare_slice <= 0.0 || self.timeout <= 0.0 {
+            bail!("--compare-slice and --timeout must be positive");
+        }
+        Ok(())
+    }
+
+    fn points(&self) -> Vec<(Load, &'static str, f64)> {
+        let open = self.rate.is_some();
+        let values = match self.sweep.is_empty() {
+            true => vec![self
+                .rate
+                .unwrap_or_else(|| self.concurrency.unwrap_or(1) as f64)],
+            false => self.sweep.clone(),
+        };
+        values
+            .into_iter()
+            .map(|v| match open {
+                true => (Load::Open { rate: v }, "rate", v),
+                false => (
+                    Load::Closed {
+                        concurrency: v.round().max(1.0) as usize,
+                    },
+                    "concurrency",
+                    v,
+                ),
+            })
+            .collect()
+    }
+
+    /// Workload items needed per target at one point.
+    fn items_needed(&self, load: Load) -> usize {
+        if let Some(n) = self.requests {
+            return n;
+        }
+        let secs = self.duration.unwrap_or(60.0);
+        let n = match load {
+            Load::Open { rate } => rate * secs * 1.3 + 50.0,
+            Load::Closed { concurrency } => concurrency as f64 * secs * 20.0 + 100.0,
+        };
+        (n.ceil() as usize).min(200_000)
+    }
+
+    fn targets(&self, model: &str) -> Vec<(String, Target)> {
+        let urls: Vec<&String> = std::iter::once(&self.url).chain(&self.compare).collect();
+        urls.iter()
+            .enumerate()
+            .map(|(i, url)| {
+                let label = self
+                    .labels
+                    .get(i)
+                    .cloned()
+                    .unwrap_or_else(|| url.to_string());
+                let target = Target {
+                    url: url.trim_end_matches('/').to_string(),
+                    model: model.to_string(),
+                    api_key: self.api_key.clone(),
+                    endpoint: self.endpoint,
+                    stream: !self.no_stream,
+                    ignore_eos: !self.no_ignore_eos,
+                    timeout: Duration::from_secs_f64(self.timeout),
+                };
+                (label, target)
+            })
+            .collect()
+    }
+}
+
+async fn discover_model(client: &reqwest::Client, args: &RunArgs) -> anyhow::Result<String> {
+    if let Some(m) = &args.model {
+        return Ok(m.clone());
+    }
+    let url = format!("{}/v1/models", args.url.trim_end_matches('/'));
+    let mut req = client.get(&url);
+    if let Some(k) = &args.api_key {
+        req = req.bearer_auth(k);
+    }
+    let v: serde_json::Value = req.send().await?.error_for_status()?.json().await?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_string)
+        .with_context(|| format!("{url} lists no model; pass --model"))
+}
+
+/// Runs one point: every target in slices, interleaved.
+async fn run_point(
+    args: &RunArgs,
+    client: &reqwest::Client,
+    targets: &[(String, Target)],
+    load: Load,
+    run_start: Instant,
+) -> anyhow::Result<Vec<Vec<Record>>> {
+    let n = args.items_needed(load);
+    let items = Arc::new(workload::build(&args.workload, n)?);
+    let arrivals = match load {
+        Load::Open { rate } => arrivals::schedule(rate, args.burstiness, args.workload.seed, n)?,
+        Load::Closed { .. } => Vec::new(),
+    };
+    let duration = args.duration.map(Duration::from_secs_f64);
+    let slice_len = match targets.len() {
+        1 => duration,
+        _ => Some(Duration::from_secs_f64(args.compare_slice)),
+    };
+    let rounds = match (duration, slice_len) {
+        (Some(d), Some(s)) => (d.as_secs_f64() / s.as_secs_f64()).ceil().max(1.0) as usize,
+        _ => 1,
+    };
+    let pb = runner::progress((n * targets.len()) as u64, args.no_progress);
+    let mut positions = vec![0usize; targets.len()];
+    let mut records: Vec<Vec<Record>> = vec![Vec::new(); targets.len()];
+    for round in 0..rounds {
+        for (t, (_, target)) in targets.iter().enumerate() {
+            let pos = positions[t];
+            if pos >= n {
+                continue;
+            }
+            let this = match (duration, slice_len) {
+                (Some(d), Some(s)) => Some(s.min(d.saturating_sub(s * round as u32))),
+                _ => None,
+            };
+            let base = arrivals.get(pos).copied().unwrap_or(0.0);
+            let slice = Slice {
+                index: round * targets.len() + t,
+                target_index: t,
+                target: target.clone(),
+                items: Arc::new(items[pos..].to_vec()),
+                first_item: pos,
+                arrivals: arrivals.iter().skip(pos).map(|a| a - base).collect(),
+                load,
+                duration: this,
+                warmup: match round {
+                    0 => Duration::from_secs_f64(args.warmup),
+                    _ => Duration::ZERO,
+                },
+                max_in_flight: args.max_in_flight,
+            };
+            let got = runner::run_slice(client, slice, run_start, &pb).await;
+            positions[t] += got.len();
+            records[t].extend(got);
+        }
+    }
+    pb.finish_and_clear();
+    Ok(records)
+}
+
+pub async fn run(args: RunArgs) -> anyhow::Result<RunReport> {
+    args.check()?;
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(1024)
+        .tcp_nodelay(true)
+        .build()?;
+    let model = discover_model(&client, &args).await?;
+    let targets = args.targets(&model);
+    let slo = Slo {
+        ttft: args.slo_ttft.map(|ms| ms / 1e3),
+        tpot: args.slo_tpot.map(|ms| ms / 1e3),
+    };
+    let started_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    let run_start = Instant::now();
+    let scraper = args.scrape_metrics.clone().map(|url| {
+        scrape::spawn(
+            client.clone(),
+            url,
+            Duration::from_millis(args.scrape_interval_ms),
+            run_start,
+        )
+    });
+    let mut points = Vec::new();
+    for (load, kind, value) in args.points() {
+        let per_target = run_point(&args, &client, &targets, load, run_start).await?;
+        let requested = match load {
+            Load::Open { rate } => Some(rate),
+            Load::Closed { .. } => None,
+        };
+        let results = targets
+            .iter()
+            .zip(per_target)
+            .map(|((label, t), records)| TargetResult {
+                label: label.clone(),
+                url: t.url.clone(),
+                summary: stats::summarize(&records, &slo, requested),
+                records,
+            })
+            .collect();
+        let point = Point {
+            kind,
+            value,
+            targets: results,
+        };
+        report::print_point(&point);
+        points.push(point);
+    }
+    let scrape = match scraper {
+        Some(s) => s.finish().await,
+        None => Vec::new(),
+    };
+    let report = RunReport {
+        args: args.clone(),
+        model,
+        started_unix,
+        points,
+        scrape,
+    };
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(dir) = &args.report {
+        report::write_report(dir, &report)?;
+    }
+    Ok(report)
+}

@@ -1,0 +1,324 @@
+//! Running one batch on the model thread: every member's header, the
+//! forward passes (several whole prompts as segments of one pass, or one
+//! prompt in chunks), each layer's rows framed to the member's own upload,
+//! and each member's first token and end frame. A member that is cancelled
+//! or whose upload fails drops out; the others go on.
+
+use std::ops::{ControlFlow, Range};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
+use pdserve_engine::{EngineError, Segment, SeqKv};
+use pdserve_protocol::internal::{ErrorBody, PrefillJob};
+use pdserve_protocol::kvwire::{self, KvHeader, KvTrailer};
+use tokio::sync::mpsc::error::TrySendError;
+
+use crate::engine::{cancelled, Computed, Task, Worker};
+
+/// One forward pass: which members take part, and which of their prompt tokens.
+type Pass = Vec<(usize, Range<usize>)>;
+
+/// A member's progress through the batch.
+#[derive(Default)]
+struct Member {
+    kv: Option<SeqKv>,
+    sent: u64,
+    failed: Option<ErrorBody>,
+    /// The logits after the member's last prompt token.
+    logits: Option<Vec<f32>>,
+}
+
+impl Member {
+    fn live(&self) -> bool {
+        self.failed.is_none() && self.kv.is_some()
+    }
+}
+
+/// Takes the KV of the members of `pass` that are still wanted, marking
+/// the ones cancelled since the last pass; returns who they are and their KV.
+fn take_live(tasks: &[Task], members: &mut [Member], pass: &Pass) -> (Pass, Vec<SeqKv>) {
+    let (mut owners, mut kvs) = (Vec::new(), Vec::new());
+    for (i, range) in pass {
+        let m = &mut members[*i];
+        if m.failed.is_none() && tasks[*i].cancel.is_cancelled() {
+            m.failed = Some(cancelled());
+        }
+        if m.failed.is_some() {
+            continue;
+        }
+        if let Some(kv) = m.kv.take() {
+            owners.push((*i, range.clone()));
+            kvs.push(kv);
+        }
+    }
+    (owners, kvs)
+}
+
+/// Splits the live members' prompts into forward passes: several members
+/// share one pass with their whole prompts; one member alone runs in chunks.
+fn plan(lens: &[(usize, usize)], chunk: usize) -> Vec<Pass> {
+    match lens {
+        [] => Vec::new(),
+        [(i, len)] => (0..*len)
+            .step_by(chunk.max(1))
+            .map(|s| vec![(*i, s..(s + chunk.max(1)).min(*len))])
+            .collect(),
+        many => vec![many.iter().map(|&(i, len)| (i, 0..len)).collect()],
+    }
+}
+
+impl Worker {
+    /// Prefills every task of the batch; one result per task, in order.
+    pub(crate) fn prefill(&self, tasks: &[Task]) -> Vec<Result<Computed, ErrorBody>> {
+        let started = Instant::now();
+        let mut members: Vec<Member> = tasks.iter().map(|t| self.open(t)).collect();
+        let lens: Vec<(usize, usize)> = (0..tasks.len())
+            .filter(|&i| members[i].live())
+            .map(|i| (i, tasks[i].job.prompt_tokens.len()))
+            .collect();
+        if !lens.is_empty() {
+            self.metrics.batch_size.observe(lens.len() as f64);
+        }
+        for pass in plan(&lens, self.cfg.chunk_tokens) {
+            self.pass(tasks, &mut members, &pass);
+        }
+        let results: Vec<_> = tasks
+            .iter()
+            .zip(&mut members)
+            .map(|(t, m)| self.finish(t, m, started))
+            .collect();
+        let tokens: usize = lens.iter().map(|(_, n)| n).sum();
+        self.record(tokens, started.elapsed().as_secs_f64());
+        results
+    }
+
+    /// Checks the job is still wanted, reserves its KV and sends its header.
+    fn open(&self, task: &Task) -> Member {
+        let mut m = Member::default();
+        let opened = match task.cancel.is_cancelled() {
+            true => Err(ErrorBody::fatal(
+                "cancelled",
+                "the job was cancelled while queued",
+            )),
+            false => self.header(&task.job).and_then(|h| {
+                let kv = self
+                    .pool
+                    .allocate(task.job.prompt_tokens.len())
+                    .map_err(|e| ErrorBody::retryable(e.kind(), e.to_string()))?;
+                let frame = kvwire::encode_header(&h).map_err(ErrorBody::from)?;
+                Ok((kv, self.send(task, frame.into())?))
+            }),
+        };
+        match opened {
+            Ok((kv, n)) => (m.kv, m.sent) = (Some(kv), n),
+            Err(e) => m.failed = Some(e),
+        }
+        m
+    }
+
+    /// One forward pass over the live members of `pass`, streaming each
+    /// member's new rows of every layer to its own upload. It stops between
+    /// layers once no member is left to stream to.
+    fn pass(&self, tasks: &[Task], members: &mut [Member], pass: &Pass) {
+        let (owners, mut kvs) = take_live(tasks, members, pass);
+        if owners.is_empty() {
+            return;
+        }
+        let mut segs: Vec<Segment> = kvs
+            .iter_mut()
+            .zip(&owners)
+            .map(|(kv, (i, r))| Segment {
+                kv,
+                tokens: &tasks[*i].job.prompt_tokens[r.clone()],
+            })
+            .collect();
+        let mut on_layer = |layer: usize, segs: &[Segment<'_>]| {
+            let mut live = false;
+            for (seg, (i, r)) in segs.iter().zip(&owners) {
+                let m = &mut members[*i];
+                if m.failed.is_some() {
+                    continue;
+                }
+                match self.stream_layer(&tasks[*i], seg.kv, layer, r) {
+                    Ok(n) => (m.sent, live) = (m.sent + n, true),
+                    Err(e) => m.failed = Some(e),
+                }
+            }
+            match live {
+                true => ControlFlow::Continue(()),
+                false => ControlFlow::Break(()),
+            }
+        };
+        let result = self.model.forward(&mut segs, &mut on_layer);
+        drop(segs);
+        for (row, ((i, r), kv)) in owners.into_iter().zip(kvs).enumerate() {
+            let m = &mut members[i];
+            m.kv = Some(kv);
+            match &result {
+                Ok(logits) if r.end == tasks[i].job.prompt_tokens.len() => {
+                    m.logits = Some(logits.row(row).to_vec());
+                }
+                Ok(_) | Err(EngineError::Interrupted { .. }) => {}
+                Err(e) => {
+                    m.failed
+                        .get_or_insert(ErrorBody::fatal(e.kind(), e.to_string()));
+                }
+            }
+        }
+    }
+
+    /// Frames and sends the rows `range` of `layer`, unless the job was cancelled.
+    fn stream_layer(
+        &self,
+        task: &Task,
+        kv: &SeqKv,
+        layer: usize,
+        range: &Range<usize>,
+    ) -> Result<u64, ErrorBody> {
+        if task.cancel.is_cancelled() {
+            return Err(cancelled());
+        }
+        let frame = self.frame(kv, layer, range.start, range.len())?;
+        self.send(task, frame)
+    }
+
+    /// Samples the member's first token and sends the end frame.
+    fn finish(&self, task: &Task, m: &mut Member, started: Instant) -> Result<Computed, ErrorBody> {
+        if let Some(e) = m.failed.take() {
+            return Err(e);
+        }
+        let Some(logits) = m.logits.take() else {
+            return Err(ErrorBody::retryable(
+                "engine_failed",
+                "the forward pass produced no logits",
+            ));
+        };
+        let params = SamplingParams::from(&task.job.sampling);
+        let n = task.job.prompt_tokens.len();
+        let first = sample(&logits, &params, n as u64, &TokenCounts::default())
+            .map_err(|e| ErrorBody::fatal("sampling", e.to_string()))?;
+        let trailer = KvTrailer {
+            first_token: first.token,
+            first_logprob: first.logprob,
+            top_logprobs: first.top_logprobs,
+        };
+        m.sent += self.send(
+            task,
+            kvwire::encode_end(&trailer)
+                .map_err(ErrorBody::from)?
+                .into(),
+        )?;
+        let secs = started.elapsed().as_secs_f64();
+        self.metrics.prefill_seconds.observe(secs);
+        self.metrics.prompt_tokens.inc_by(n as u64);
+        Ok(Computed {
+            finished_at: Instant::now(),
+            first_token: first.token,
+            queue_seconds: 0.0,
+            compute_seconds: secs,
+            bytes: m.sent,
+        })
+    }
+
+    /// Utilisation and throughput of a batch that computed `tokens` prompt tokens.
+    fn record(&self, tokens: usize, secs: f64) {
+        if tokens == 0 {
+            return;
+        }
+        let flops = 2.0 * self.model.config().matmul_macs_per_token() as f64 * tokens as f64;
+        self.metrics
+            .mfu
+            .set(flops / secs.max(1e-9) / self.cfg.peak_flops.max(1.0));
+        self.stats.tokens_per_second.store(
+            (tokens as f64 / secs.max(1e-9)).to_bits(),
+            Ordering::Relaxed,
+        );
+    }
+
+    fn header(&self, job: &PrefillJob) -> Result<KvHeader, ErrorBody> {
+        let layout = self.model.kv_layout();
+        Ok(KvHeader {
+            request_id: job.request_id.clone(),
+            model_fingerprint: self.model.fingerprint(),
+            dtype: self.cfg.kv_dtype.into(),
+            n_layers: layout.n_layers as u32,
+            n_kv_heads: layout.n_kv_heads as u32,
+            head_dim: layout.head_dim as u32,
+            n_tokens: job.prompt_tokens.len() as u32,
+            seed: job.sampling.seed,
+        })
+    }
+
+    fn frame(
+        &self,
+        kv: &SeqKv,
+        layer: usize,
+        start: usize,
+        tokens: usize,
+    ) -> Result<Bytes, ErrorBody> {
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        kv.export_rows(layer, self.cfg.kv_dtype, start, tokens, &mut k, &mut v)
+            .map_err(|e| ErrorBody::fatal(e.kind(), e.to_string()))?;
+        let mut out = Vec::with_capacity(k.len() + v.len() + 64);
+        kvwire::encode_layer_parts(
+            layer as u32,
+            start as u32,
+            tokens as u32,
+            &[(&k, &v)],
+            &mut out,
+        )
+        .map_err(ErrorBody::from)?;
+        Ok(Bytes::from(out))
+    }
+
+    /// Hands a frame to the upload. When the network is slower than compute
+    /// this blocks until the upload takes it, the job is cancelled, or the
+    /// job's deadline passes, whichever comes first.
+    fn send(&self, task: &Task, frame: Bytes) -> Result<u64, ErrorBody> {
+        let n = frame.len() as u64;
+        let stopped = || {
+            ErrorBody::retryable(
+                "kv_upload_failed",
+                "the KV upload to the decode worker stopped",
+            )
+        };
+        match task.frames.try_send(frame) {
+            Ok(()) => {}
+            Err(TrySendError::Closed(_)) => return Err(stopped()),
+            Err(TrySendError::Full(frame)) => {
+                let deadline = task.enqueued + Duration::from_millis(task.job.deadline_ms.max(1));
+                self.rt.block_on(async {
+                    tokio::select! {
+                        biased;
+                        _ = task.cancel.cancelled() => Err(cancelled()),
+                        r = task.frames.send(frame) => r.map_err(|_| stopped()),
+                        _ = tokio::time::sleep_until(deadline.into()) => Err(ErrorBody::retryable(
+                            "deadline_exceeded",
+                            "the KV upload fell behind the job's deadline",
+                        )),
+                    }
+                })?;
+            }
+        }
+        self.metrics.kv_transfer_bytes.inc_by(n);
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn several_members_share_one_pass_and_one_runs_in_chunks() {
+        assert_eq!(plan(&[], 4), Vec::<Pass>::new());
+        assert_eq!(
+            plan(&[(2, 10)], 4),
+            vec![vec![(2, 0..4)], vec![(2, 4..8)], vec![(2, 8..10)]]
+        );
+        assert_eq!(plan(&[(0, 3)], 4), vec![vec![(0, 0..3)]]);
+        assert_eq!(plan(&[(0, 3), (2, 5)], 4), vec![vec![(0, 0..3), (2, 0..5)]]);
+    }
+}

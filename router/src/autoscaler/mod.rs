@@ -1,0 +1,264 @@
+//! Autoscaling each pool on its own signal: signals (from the registry) →
+//! policy (a pure function, [`policy`]) → executor (spawn or drain local
+//! workers, or only export the decision for KEDA).
+//!
+//! - Prefill scales on its backlog in seconds: prompt tokens waiting (in
+//!   prefill queues, and in decode queues while prompts are prefilled
+//!   locally) over the throughput one prefill replica delivers.
+//! - Decode scales on active sequences per replica (or KV usage).
+
+pub mod policy;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use pdserve_protocol::internal::Pool;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::{pool_label, RouterMetrics};
+use crate::registry::{Health, Registry};
+use crate::supervisor::Supervisor;
+use policy::{Policy, PolicyConfig};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ExecutorKind {
+    /// Start and drain local worker processes (needs `--local-*` workers).
+    Local,
+    /// Compute and export the decision only (Kubernetes: KEDA acts on it).
+    None,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DecodeSignal {
+    /// Active sequences per replica.
+    ActiveSequences,
+    /// KV cache usage (0–1) per replica.
+    KvUsage,
+}
+
+/// Autoscaler flags, flattened into the router's.
+#[derive(Args, Debug, Clone)]
+pub struct AutoscalerArgs {
+    /// What acts on the decisions (default: `local` when the router runs local workers, else `none`).
+    #[arg(long, env = "PDSERVE_AUTOSCALER_EXECUTOR", value_enum)]
+    pub autoscaler_executor: Option<ExecutorKind>,
+    /// Milliseconds between decisions.
+    #[arg(long, env = "PDSERVE_AUTOSCALER_INTERVAL_MS", default_value_t = 1000)]
+    pub autoscaler_interval_ms: u64,
+    /// Prefill backlog, in seconds of work, one replica should carry.
+    #[arg(
+        long,
+        env = "PDSERVE_PREFILL_TARGET_BACKLOG_SECONDS",
+        default_value_t = 2.0
+    )]
+    pub prefill_target_backlog_seconds: f64,
+    /// Prompt tokens per second one prefill replica delivers, until measured.
+    #[arg(
+        long,
+        env = "PDSERVE_PREFILL_TOKENS_PER_SECOND",
+        default_value_t = 500.0
+    )]
+    pub prefill_tokens_per_second: f64,
+    #[arg(long, env = "PDSERVE_PREFILL_MIN_REPLICAS", default_value_t = 1)]
+    pub prefill_min_replicas: usize,
+    #[arg(long, env = "PDSERVE_PREFILL_MAX_REPLICAS", default_value_t = 2)]
+    pub prefill_max_replicas: usize,
+    /// The decode pool's signal.
+    #[arg(long, env = "PDSERVE_DECODE_SIGNAL", value_enum, default_value_t = DecodeSignal::ActiveSequences)]
+    pub decode_signal: DecodeSignal,
+    /// Decode signal one replica should carry (sequences, or a KV ratio).
+    #[arg(long, env = "PDSERVE_DECODE_TARGET", default_value_t = 16.0)]
+    pub decode_target: f64,
+    #[arg(long, env = "PDSERVE_DECODE_MIN_REPLICAS", default_value_t = 1)]
+    pub decode_min_replicas: usize,
+    #[arg(long, env = "PDSERVE_DECODE_MAX_REPLICAS", default_value_t = 2)]
+    pub decode_max_replicas: usize,
+    /// Seconds a higher recommendation must hold before scaling up.
+    #[arg(long, env = "PDSERVE_SCALE_UP_WINDOW_SECONDS", default_value_t = 0)]
+    pub scale_up_window_seconds: u64,
+    /// Seconds a lower recommendation must hold before scaling down.
+    #[arg(long, env = "PDSERVE_SCALE_DOWN_WINDOW_SECONDS", default_value_t = 60)]
+    pub scale_down_window_seconds: u64,
+    /// Replicas added or removed per decision at most.
+    #[arg(long, env = "PDSERVE_SCALE_MAX_STEP", default_value_t = 1)]
+    pub scale_max_step: usize,
+    /// Seconds after a change before the next one.
+    #[arg(long, env = "PDSERVE_SCALE_COOLDOWN_SECONDS", default_value_t = 10)]
+    pub scale_cooldown_seconds: u64,
+}
+
+impl AutoscalerArgs {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.decode_min_replicas == 0 {
+            return Err("--decode-min-replicas must be at least 1".into());
+        }
+        if self.prefill_min_replicas > self.prefill_max_replicas
+            || self.decode_min_replicas > self.decode_max_replicas
+        {
+            return Err("a pool's min replicas exceed its max".into());
+        }
+        let positive = [
+            self.prefill_target_backlog_seconds,
+            self.prefill_tokens_per_second,
+            self.decode_target,
+        ];
+        match positive.iter().all(|v| v.is_finite() && *v > 0.0) {
+            true => Ok(()),
+            false => Err("autoscaler targets and the prefill throughput must be positive".into()),
+        }
+    }
+
+    pub fn policy(&self, pool: Pool) -> PolicyConfig {
+        let (target, min, max) = match pool {
+            Pool::Prefill => (
+                self.prefill_target_backlog_seconds,
+                self.prefill_min_replicas,
+                self.prefill_max_replicas,
+            ),
+            Pool::Decode => (
+                self.decode_target,
+                self.decode_min_replicas,
+                self.decode_max_replicas,
+            ),
+        };
+        PolicyConfig {
+            target,
+            min,
+            max,
+            up_window: Duration::from_secs(self.scale_up_window_seconds),
+            down_window: Duration::from_secs(self.scale_down_window_seconds),
+            max_step: self.scale_max_step,
+            cooldown: Duration::from_secs(self.scale_cooldown_seconds),
+        }
+    }
+}
+
+/// The pools' signals at one instant.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Signals {
+    pub prefill_backlog_seconds: f64,
+    pub decode: f64,
+    pub decode_kv_usage: f64,
+}
+
+/// Reads the signals from the registry. `per_replica_tps` is the prefill
+/// throughput of one replica: measured (the mean of the workers' reports)
+/// when any worker has reported, else the configured estimate.
+pub fn signals(registry: &Registry, args: &AutoscalerArgs) -> Signals {
+    let prefill = registry.pool_load(Pool::Prefill);
+    let decode = registry.pool_load(Pool::Decode);
+    let reporting = registry.reporting(Pool::Prefill);
+    let per_replica_tps = match reporting {
+        0 => args.prefill_tokens_per_second,
+        n if prefill.tokens_per_second > 0.0 => prefill.tokens_per_second / n as f64,
+        _ => args.prefill_tokens_per_second,
+    };
+    // Prompts waiting on decode workers are prefill work too (local prefill).
+    let pending = (prefill.queued_tokens + decode.queued_tokens) as f64;
+    let kv_total = (decode.kv_used_tokens + decode.kv_free_tokens) as f64;
+    let kv_usage = match kv_total > 0.0 {
+        true => decode.kv_used_tokens as f64 / kv_total,
+        false => 0.0,
+    };
+    Signals {
+        prefill_backlog_seconds: pending / per_replica_tps.max(1e-9),
+        decode: match args.decode_signal {
+            DecodeSignal::ActiveSequences => decode.active_sequences as f64,
+            DecodeSignal::KvUsage => kv_usage * registry.live(Pool::Decode) as f64,
+        },
+        decode_kv_usage: kv_usage,
+    }
+}
+
+/// Acts on decisions.
+pub trait Executor: Send + Sync {
+    /// Replicas of `pool` now (starting and ready; not draining).
+    fn current(&self, pool: Pool) -> usize;
+    /// Moves `pool` towards `desired` replicas; scale-down drains.
+    fn scale(&self, pool: Pool, desired: usize);
+}
+
+/// Local worker processes, through the supervisor.
+pub struct LocalExecutor(pub Arc<Supervisor>);
+
+impl Executor for LocalExecutor {
+    fn current(&self, pool: Pool) -> usize {
+        self.0.count(pool)
+    }
+
+    fn scale(&self, pool: Pool, desired: usize) {
+        let now = self.0.count(pool);
+        for _ in now..desired {
+            self.0.spawn(pool);
+        }
+        for _ in desired..now {
+            self.0.drain_one(pool);
+        }
+    }
+}
+
+/// Exports decisions only; the replicas are whatever the registry sees.
+pub struct ExportOnly(pub Arc<Registry>);
+
+impl Executor for ExportOnly {
+    fn current(&self, pool: Pool) -> usize {
+        self.0
+            .counts(pool)
+            .iter()
+            .filter(|(h, _)| matches!(h, Health::Starting | Health::Ready))
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    fn scale(&self, _pool: Pool, _desired: usize) {}
+}
+
+/// Runs the decision loop until `stop`.
+pub fn spawn(
+    registry: Arc<Registry>,
+    metrics: Arc<RouterMetrics>,
+    executor: Arc<dyn Executor>,
+    args: AutoscalerArgs,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let origin = Instant::now();
+        let mut policies = [Policy::default(), Policy::default()];
+        let configs = [args.policy(Pool::Prefill), args.policy(Pool::Decode)];
+        let mut tick =
+            tokio::time::interval(Duration::from_millis(args.autoscaler_interval_ms.max(10)));
+        loop {
+            tokio::select! {
+                biased;
+                _ = stop.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            let s = signals(&registry, &args);
+            metrics.prefill_backlog.set(s.prefill_backlog_seconds);
+            metrics
+                .pool_kv_usage
+                .with_label_values(&[pool_label(Pool::Decode)])
+                .set(s.decode_kv_usage);
+            let now = origin.elapsed();
+            for (i, (pool, signal)) in [
+                (Pool::Prefill, s.prefill_backlog_seconds),
+                (Pool::Decode, s.decode),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let current = executor.current(pool);
+                let desired = policies[i].decide(&configs[i], now, signal, current);
+                metrics
+                    .desired_replicas
+                    .with_label_values(&[pool_label(pool)])
+                    .set(desired as i64);
+                if desired != current {
+                    tracing::info!(?pool, current, desired, signal, "autoscaling");
+                    executor.scale(pool, desired);
+                }
+            }
+        }
+    })
+}
