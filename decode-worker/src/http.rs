@@ -1,25 +1,22 @@
 //! HTTP handlers: generate (a stream of JSON lines), health, readiness, load
 //! and metrics. KV ingest lives in `ingest.rs`.
 
-use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures_util::StreamExt;
 use pdserve_engine::sampler::SamplingParams;
 use pdserve_engine::KvError;
 use pdserve_protocol::internal::{
     validate_request_id, ErrorBody, GenerateEvent, GenerateRequest, KvSource, LoadReport,
 };
-use pdserve_runtime::http::ApiError;
+use pdserve_runtime::http::{ndjson, ApiError};
 use tokio::sync::mpsc;
 
 use crate::engine::{Job, Start};
@@ -103,7 +100,7 @@ async fn generate(
             ));
         }
     }
-    Ok(stream_events(rx))
+    Ok(ndjson(tokio_stream_from(rx)))
 }
 
 /// Releases a remote reservation whose KV has not arrived in time, or whose
@@ -154,19 +151,6 @@ fn validate(state: &AppState, req: &GenerateRequest) -> Result<(), ErrorBody> {
     params
         .validate()
         .map_err(|e| ErrorBody::fatal("invalid_sampling", e.to_string()))
-}
-
-/// Streams events as JSON lines until the engine drops the sender.
-fn stream_events(rx: mpsc::UnboundedReceiver<GenerateEvent>) -> Response {
-    let lines = tokio_stream_from(rx).map(|event| {
-        let mut line = serde_json::to_vec(&event).unwrap_or_default();
-        line.push(b'\n');
-        Ok::<_, Infallible>(bytes::Bytes::from(line))
-    });
-    Response::builder()
-        .header(header::CONTENT_TYPE, "application/x-ndjson")
-        .body(Body::from_stream(lines))
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
 fn tokio_stream_from<T: Send + 'static>(

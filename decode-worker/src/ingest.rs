@@ -86,11 +86,11 @@ async fn receive(
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| ErrorBody::retryable("kv_stream_broken", e.to_string()))?;
         bytes += chunk.len() as u64;
-        let events = decoder.push(&chunk).map_err(wire_error)?;
+        let events = decoder.push(&chunk).map_err(ErrorBody::from)?;
         for event in events {
             match event {
                 KvEvent::Header(h) => {
-                    kvwire::validate_against(&h, &expected).map_err(wire_error)?;
+                    kvwire::validate_against(&h, &expected).map_err(ErrorBody::from)?;
                     if h.n_tokens as usize != pending.prompt.len() {
                         return Err(ErrorBody::fatal(
                             "kv_mismatch",
@@ -134,20 +134,11 @@ async fn receive(
             }
         }
     }
-    decoder.finish().map_err(wire_error)?;
+    decoder.finish().map_err(ErrorBody::from)?;
     Err(ErrorBody::retryable(
         "kv_stream_truncated",
         "the KV stream ended before its end frame",
     ))
-}
-
-/// A stream cut short means the sender died: another prefill worker may
-/// succeed. Anything else is a malformed stream.
-fn wire_error(e: kvwire::KvWireError) -> ErrorBody {
-    match e {
-        kvwire::KvWireError::Truncated => ErrorBody::retryable(e.kind(), e.to_string()),
-        _ => ErrorBody::fatal(e.kind(), e.to_string()),
-    }
 }
 
 fn admit(

@@ -13,13 +13,13 @@ use axum::response::IntoResponse;
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use futures_util::StreamExt;
 use pdserve_engine::sampler::SamplingParams;
 use pdserve_engine::Model;
 use pdserve_protocol::internal::{
     validate_request_id, ErrorBody, LoadReport, PrefillJob, PrefillResult,
 };
 use pdserve_runtime::http::ApiError;
+use pdserve_runtime::kv_upload::upload;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -160,36 +160,6 @@ async fn prefill(
         compute_seconds: c.compute_seconds,
         transfer_bytes: c.bytes,
     }))
-}
-
-/// Streams the frames to the decode worker's ingest URL.
-async fn upload(
-    client: &reqwest::Client,
-    url: &str,
-    mut frames: mpsc::Receiver<Bytes>,
-) -> Result<(), ErrorBody> {
-    let stream =
-        futures_util::stream::poll_fn(move |cx| frames.poll_recv(cx)).map(Ok::<_, std::io::Error>);
-    let resp = client
-        .post(url)
-        .header(header::CONTENT_TYPE, "application/octet-stream")
-        .body(reqwest::Body::wrap_stream(stream))
-        .send()
-        .await
-        .map_err(|e| {
-            ErrorBody::retryable("kv_upload_failed", format!("sending KV to {url}: {e}"))
-        })?;
-    if resp.status().is_success() {
-        return Ok(());
-    }
-    let status = resp.status();
-    match resp.json::<ErrorBody>().await {
-        Ok(body) => Err(body),
-        Err(_) => Err(ErrorBody::retryable(
-            "kv_upload_failed",
-            format!("the decode worker answered {status}"),
-        )),
-    }
 }
 
 fn validate(model: &Model, job: &PrefillJob) -> Result<(), ErrorBody> {

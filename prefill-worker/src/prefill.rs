@@ -107,7 +107,7 @@ impl Worker {
                     .pool
                     .allocate(task.job.prompt_tokens.len())
                     .map_err(|e| ErrorBody::retryable(e.kind(), e.to_string()))?;
-                let frame = kvwire::encode_header(&h).map_err(wire)?;
+                let frame = kvwire::encode_header(&h).map_err(ErrorBody::from)?;
                 Ok((kv, self.send(task, frame.into())?))
             }),
         };
@@ -204,7 +204,12 @@ impl Worker {
             first_logprob: first.logprob,
             top_logprobs: first.top_logprobs,
         };
-        m.sent += self.send(task, kvwire::encode_end(&trailer).map_err(wire)?.into())?;
+        m.sent += self.send(
+            task,
+            kvwire::encode_end(&trailer)
+                .map_err(ErrorBody::from)?
+                .into(),
+        )?;
         let secs = started.elapsed().as_secs_f64();
         self.metrics.prefill_seconds.observe(secs);
         self.metrics.prompt_tokens.inc_by(n as u64);
@@ -264,7 +269,7 @@ impl Worker {
             &[(&k, &v)],
             &mut out,
         )
-        .map_err(wire)?;
+        .map_err(ErrorBody::from)?;
         Ok(Bytes::from(out))
     }
 
@@ -300,10 +305,6 @@ impl Worker {
         self.metrics.kv_transfer_bytes.inc_by(n);
         Ok(n)
     }
-}
-
-fn wire(e: kvwire::KvWireError) -> ErrorBody {
-    ErrorBody::fatal(e.kind(), e.to_string())
 }
 
 #[cfg(test)]

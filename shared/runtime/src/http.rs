@@ -1,8 +1,13 @@
-//! The internal API's error response, shared by the workers.
+//! The internal API's responses shared by the workers: errors, and streams
+//! of JSON lines.
 
+use std::convert::Infallible;
+
+use axum::body::Body;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use futures_util::{Stream, StreamExt};
 use pdserve_protocol::internal::{ErrorBody, ErrorClass};
 
 /// An [`ErrorBody`] as an HTTP response: fatal → 400, retryable → 503 with `Retry-After`.
@@ -28,6 +33,20 @@ impl IntoResponse for ApiError {
         }
         resp
     }
+}
+
+/// A streamed `application/x-ndjson` response: each item as one JSON line,
+/// until the stream ends.
+pub fn ndjson<T: serde::Serialize>(items: impl Stream<Item = T> + Send + 'static) -> Response {
+    let lines = items.map(|item| {
+        let mut line = serde_json::to_vec(&item).unwrap_or_default();
+        line.push(b'\n');
+        Ok::<_, Infallible>(bytes::Bytes::from(line))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/x-ndjson")
+        .body(Body::from_stream(lines))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
 /// Binds the worker's listener (port 0 picks a free one) and logs its address.

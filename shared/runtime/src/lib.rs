@@ -2,6 +2,7 @@
 //! graceful shutdown.
 
 pub mod http;
+pub mod kv_upload;
 pub mod metrics;
 pub mod queue;
 pub mod registration;

@@ -137,10 +137,42 @@ impl KvWireError {
     }
 }
 
+/// The error as it crosses the wire: a stream cut short means its sender
+/// died, so another prefill worker may succeed (retryable); anything else is
+/// a malformed stream, or a frame that could not be encoded (fatal).
+impl From<KvWireError> for crate::internal::ErrorBody {
+    fn from(e: KvWireError) -> Self {
+        match e {
+            KvWireError::Truncated => Self::retryable(e.kind(), e.to_string()),
+            _ => Self::fatal(e.kind(), e.to_string()),
+        }
+    }
+}
+
 /// Renders a tag with non-printable bytes escaped.
 fn show_tag(tag: &[u8; 4]) -> String {
     tag.iter()
         .flat_map(|b| std::ascii::escape_default(*b))
         .map(char::from)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::internal::{ErrorBody, ErrorClass};
+
+    #[test]
+    fn only_a_truncated_stream_is_retryable() {
+        let cut = ErrorBody::from(KvWireError::Truncated);
+        assert_eq!(
+            (cut.class, cut.kind.as_str()),
+            (ErrorClass::Retryable, "truncated")
+        );
+        let bad = ErrorBody::from(KvWireError::invalid("dtype", "unknown"));
+        assert_eq!(
+            (bad.class, bad.kind.as_str()),
+            (ErrorClass::Fatal, "invalid_field")
+        );
+    }
 }
