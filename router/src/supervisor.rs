@@ -13,6 +13,16 @@ use tokio::process::{Child, Command};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+/// What local workers run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LocalEngine {
+    /// `pdserve-prefill` and `pdserve-decode` on the model.
+    Real,
+    /// `pdserve-mock-worker`: the real protocol with a latency model and no
+    /// weights (its `PDSERVE_MOCK_*` settings come from this environment).
+    Mock,
+}
+
 /// Flags of the local supervisor, flattened into the router's.
 #[derive(Args, Debug, Clone)]
 pub struct LocalArgs {
@@ -32,6 +42,9 @@ pub struct LocalArgs {
     /// Weight format of local workers (both pools must match).
     #[arg(long, env = "PDSERVE_WORKER_WEIGHTS", default_value = "q8_0")]
     pub worker_weights: String,
+    /// What the local workers run.
+    #[arg(long, env = "PDSERVE_LOCAL_ENGINE", value_enum, default_value_t = LocalEngine::Real)]
+    pub local_engine: LocalEngine,
     /// KV cache budget of each local decode worker, in tokens.
     #[arg(long, env = "PDSERVE_WORKER_KV_CACHE_TOKENS", default_value_t = 65_536)]
     pub worker_kv_cache_tokens: usize,
@@ -49,6 +62,7 @@ pub struct SupervisorConfig {
     pub pin: bool,
     pub kv_cache_tokens: usize,
     pub drain: Duration,
+    pub engine: LocalEngine,
 }
 
 impl SupervisorConfig {
@@ -74,6 +88,7 @@ impl SupervisorConfig {
             pin: threads * workers <= cores,
             kv_cache_tokens: args.worker_kv_cache_tokens,
             drain,
+            engine: args.local_engine,
         }
     }
 }
@@ -145,28 +160,36 @@ impl Supervisor {
 
     fn command(&self, pool: Pool, ordinal: usize) -> Command {
         let c = &self.cfg;
-        let bin = match pool {
-            Pool::Prefill => "pdserve-prefill",
-            Pool::Decode => "pdserve-decode",
+        let (bin, pool_arg) = match (c.engine, pool) {
+            (LocalEngine::Real, Pool::Prefill) => ("pdserve-prefill", None),
+            (LocalEngine::Real, Pool::Decode) => ("pdserve-decode", None),
+            (LocalEngine::Mock, Pool::Prefill) => ("pdserve-mock-worker", Some("prefill")),
+            (LocalEngine::Mock, Pool::Decode) => ("pdserve-mock-worker", Some("decode")),
         };
         let mut cmd = Command::new(c.bin_dir.join(bin));
+        if let Some(p) = pool_arg {
+            cmd.args(["--pool", p]);
+        }
         cmd.arg("--model")
             .arg(&c.model)
             .args(["--host", "127.0.0.1", "--port", "0"])
-            .args(["--weights", &c.weights])
-            .args(["--threads", &c.threads.to_string()])
             .args(["--router-url", &c.router_url])
             .args(["--drain-seconds", &c.drain.as_secs().to_string()])
             // The router's own settings must not leak into the worker.
             .env_remove("PDSERVE_PUBLIC_URL")
             .env_remove("PDSERVE_HOST")
+            .env_remove("PDSERVE_PORT")
             .stdin(Stdio::null())
             .kill_on_drop(true);
         if pool == Pool::Decode {
             cmd.args(["--kv-cache-tokens", &c.kv_cache_tokens.to_string()]);
         }
-        if c.pin {
-            pin_to_cores(&mut cmd, ordinal * c.threads, c.threads);
+        if c.engine == LocalEngine::Real {
+            cmd.args(["--weights", &c.weights])
+                .args(["--threads", &c.threads.to_string()]);
+            if c.pin {
+                pin_to_cores(&mut cmd, ordinal * c.threads, c.threads);
+            }
         }
         cmd
     }

@@ -3,6 +3,8 @@
 //! production `build_app` and bound to 127.0.0.1:0.
 #![allow(dead_code)]
 
+pub mod process;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
