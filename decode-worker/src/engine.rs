@@ -174,6 +174,9 @@ impl Scheduler {
     }
 
     fn intake(&mut self, job: Job) {
+        // Counted active before it leaves the queue: a drain polling
+        // `in_flight` between the two must not see zero.
+        self.stats.active.fetch_add(1, Ordering::Relaxed);
         self.stats.queue.taken(job.prompt.len() as u64);
         let params = SamplingParams::from(&job.sampling);
         let mut seq = Seq {

@@ -83,6 +83,7 @@ async fn generate(
                 sampling: req.sampling,
                 kv,
                 events: tx,
+                lease_until: tokio::time::Instant::now() + Duration::from_millis(lease_ms),
             };
             let mut map = state.pending();
             if map.contains_key(&req.request_id) {

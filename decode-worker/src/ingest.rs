@@ -11,7 +11,7 @@ use axum::extract::{Path, State};
 use axum::Json;
 use futures_util::StreamExt;
 use pdserve_engine::KvDtype;
-use pdserve_protocol::internal::ErrorBody;
+use pdserve_protocol::internal::{ErrorBody, GenerateEvent};
 use pdserve_protocol::kvwire::{self, ExpectedKv, KvEvent, KvLimits, KvStreamDecoder};
 use pdserve_runtime::http::ApiError;
 
@@ -48,9 +48,18 @@ pub async fn ingest(
         }
         Err(err) => {
             tracing::warn!(request_id = %request_id, "KV ingest failed: {err}");
-            // Keep the reservation for a retry from another prefill worker, until its lease ends.
+            // Keep the reservation for a retry from another prefill worker,
+            // until its lease ends (it may have ended during this ingest).
             pending.kv.truncate(0);
-            if !pending.events.is_closed() {
+            let expired = tokio::time::Instant::now() >= pending.lease_until;
+            if expired {
+                let _ = pending
+                    .events
+                    .send(GenerateEvent::Error(ErrorBody::retryable(
+                        "kv_lease_expired",
+                        "the lease ended while a failed KV upload held the reservation",
+                    )));
+            } else if !pending.events.is_closed() {
                 state.pending().insert(request_id, pending);
             }
             Err(ApiError(err))

@@ -35,7 +35,7 @@ async fn main() -> anyhow::Result<()> {
     shutdown::cancel_on_signal(token.clone());
     let s = state.clone();
     let load = Arc::new(move || pdserve_decode::http::load_report(&s));
-    registration::start(&args.registration, registration, load, token.clone());
+    let registered = registration::start(&args.registration, registration, load, token.clone());
     // Queued and running sequences, and reservations still waiting for their KV.
     let (s1, s2) = (state.clone(), state.clone());
     let drain = Drain {
@@ -44,6 +44,7 @@ async fn main() -> anyhow::Result<()> {
         deadline: Duration::from_secs(args.drain.drain_seconds),
     };
     shutdown::serve(listener, build_app(state), token, drain).await?;
+    registration::finish(registered).await;
     tracing::info!("stopped");
     Ok(())
 }

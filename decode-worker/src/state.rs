@@ -17,6 +17,8 @@ pub struct Pending {
     pub sampling: SamplingSpec,
     pub kv: SeqKv,
     pub events: mpsc::UnboundedSender<GenerateEvent>,
+    /// When the lease ends: a failed ingest after it releases the reservation.
+    pub lease_until: tokio::time::Instant,
 }
 
 /// Everything the handlers share.

@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use futures_util::StreamExt;
 use pdserve_engine::KvDtype;
 use pdserve_protocol::internal::{FinishReason, GenerateEvent, KvSource};
 
@@ -276,4 +277,35 @@ async fn a_client_leaving_while_waiting_for_kv_frees_the_reservation_at_once() {
     drop(lines);
     assert!(wait_kv_free(&w.url).await);
     assert!(w.state.pending().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_ends_during_a_failed_ingest_releases_the_reservation() {
+    let w = start(&[]).await;
+    let p = prompt(9, 5);
+    let (lines, url) = reserve_remote(&w, "slow-1", &p, 4, 300).await;
+    let (stream, _) = kv_stream(&w.model, "slow-1", &p, 9, KvDtype::F32);
+    // Half the stream now, then nothing until the lease has ended, then the
+    // upload breaks (its sender is dropped mid-stream).
+    let half = stream[..stream.len() / 2].to_vec();
+    let body = futures_util::stream::once(async move { Ok::<_, std::io::Error>(half) }).chain(
+        futures_util::stream::once(async {
+            tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+            Err(std::io::Error::other("the prefill worker died"))
+        }),
+    );
+    let resp = reqwest::Client::new()
+        .post(&url)
+        .body(reqwest::Body::wrap_stream(body))
+        .send()
+        .await;
+    assert!(resp.map(|r| !r.status().is_success()).unwrap_or(true));
+    let events = tokio::time::timeout(std::time::Duration::from_secs(10), lines.all())
+        .await
+        .expect("the stream must end: the reservation outlived its lease");
+    match events.last() {
+        Some(GenerateEvent::Error(e)) => assert_eq!(e.kind, "kv_lease_expired"),
+        other => panic!("expected a lease error, got {other:?}"),
+    }
+    assert!(wait_kv_free(&w.url).await);
 }

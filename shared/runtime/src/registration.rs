@@ -28,10 +28,17 @@ pub fn start(
     registration: WorkerRegistration,
     load: Arc<dyn Fn() -> LoadReport + Send + Sync>,
     stop: CancellationToken,
-) {
-    if let Some(router) = args.router_url.clone() {
-        let every = Duration::from_millis(args.heartbeat_ms);
-        spawn(router, registration, every, load, stop);
+) -> Option<tokio::task::JoinHandle<()>> {
+    let router = args.router_url.clone()?;
+    let every = Duration::from_millis(args.heartbeat_ms);
+    Some(spawn(router, registration, every, load, stop))
+}
+
+/// Waits (briefly) for the deregistration to reach the router, so a worker
+/// that drained at once does not exit before saying so.
+pub async fn finish(task: Option<tokio::task::JoinHandle<()>>) {
+    if let Some(t) = task {
+        let _ = tokio::time::timeout(Duration::from_secs(3), t).await;
     }
 }
 
