@@ -102,7 +102,7 @@ pub async fn poll_once(registry: &Registry, client: &reqwest::Client) {
             Some(load) => {
                 registry.record_load(url, load);
             }
-            None => registry.mark_down(url),
+            None => registry.poll_failed(url),
         }
     }
 }

@@ -65,9 +65,12 @@ async fn main() -> anyhow::Result<()> {
         }
         tracing::info!("requests drained");
     };
-    axum::serve(listener, build_app(state))
-        .with_graceful_shutdown(graceful)
-        .await?;
+    axum::serve(
+        pdserve_runtime::shutdown::no_delay(listener),
+        build_app(state),
+    )
+    .with_graceful_shutdown(graceful)
+    .await?;
     if let Some(sup) = local {
         sup.shutdown().await;
     }

@@ -60,7 +60,13 @@ struct Entry {
     /// Work the router has sent that the last load report may not include yet.
     assigned_requests: u64,
     assigned_tokens: u64,
+    /// Health polls failed in a row.
+    failed_polls: u32,
 }
+
+/// Health polls that must fail in a row before a worker counts as down: one
+/// slow answer from a busy worker is not an outage.
+pub const POLL_FAILURES_DOWN: u32 = 3;
 
 /// What a scheduling policy sees of a worker.
 #[derive(Debug, Clone, PartialEq)]
@@ -100,6 +106,7 @@ impl Registry {
             last_seen: Instant::now(),
             assigned_requests: 0,
             assigned_tokens: 0,
+            failed_polls: 0,
         });
         entry.pool = pool;
         entry.fingerprint = fingerprint.or(entry.fingerprint);
@@ -151,12 +158,28 @@ impl Registry {
             return false;
         };
         e.health = health_of(&load);
+        e.failed_polls = 0;
         e.load = load;
         e.last_seen = Instant::now();
         true
     }
 
-    /// The worker failed a request or a poll: no new work until it reports again.
+    /// A health poll failed; the worker is down after [`POLL_FAILURES_DOWN`] in a row.
+    pub fn poll_failed(&self, url: &str) {
+        let down = match self.lock().get_mut(url) {
+            Some(e) => {
+                e.failed_polls += 1;
+                e.failed_polls >= POLL_FAILURES_DOWN
+            }
+            None => false,
+        };
+        if down {
+            self.mark_down(url);
+        }
+    }
+
+    /// The worker refused a connection or broke a stream: no new work until
+    /// it reports again.
     pub fn mark_down(&self, url: &str) {
         if let Some(e) = self.lock().get_mut(url) {
             if e.health != Health::Down {
@@ -337,6 +360,19 @@ mod tests {
         assert!(r.candidates(Pool::Prefill, None).is_empty());
         r.record_load("http://p1", LoadReport::default());
         assert_eq!(r.counts(Pool::Prefill)[2], (Health::Draining, 1));
+    }
+
+    #[test]
+    fn one_slow_poll_is_not_an_outage() {
+        let r = Registry::default();
+        r.add_static(Pool::Decode, "http://d");
+        r.record_load("http://d", ready(0));
+        r.poll_failed("http://d");
+        r.poll_failed("http://d");
+        assert_eq!(r.candidates(Pool::Decode, None).len(), 1);
+        r.record_load("http://d", ready(0));
+        (0..POLL_FAILURES_DOWN).for_each(|_| r.poll_failed("http://d"));
+        assert!(r.candidates(Pool::Decode, None).is_empty());
     }
 
     #[test]

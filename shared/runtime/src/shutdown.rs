@@ -69,6 +69,7 @@ pub async fn serve(
     drain: Drain,
 ) -> std::io::Result<()> {
     let deadline = drain.deadline;
+    let listener = no_delay(listener);
     let graceful = axum::serve(listener, app).with_graceful_shutdown(drained(token.clone(), drain));
     let cut = async {
         token.cancelled().await;
@@ -81,6 +82,20 @@ pub async fn serve(
             Ok(())
         }
     }
+}
+
+/// Sets TCP_NODELAY on every accepted connection. Streams write one small
+/// frame per token; with Nagle's algorithm a frame waits for the ACK of the
+/// previous one, which the peer delays by up to 40 ms.
+pub fn no_delay(
+    listener: TcpListener,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
+    use axum::serve::ListenerExt;
+    listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("cannot set TCP_NODELAY: {e}");
+        }
+    })
 }
 
 /// Resolves once draining is done: nothing in flight, or the deadline passed.
