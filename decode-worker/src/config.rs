@@ -2,23 +2,15 @@
 
 use clap::Parser;
 use pdserve_engine::args::ModelArgs;
-use pdserve_runtime::registration::RegistrationArgs;
-use pdserve_runtime::shutdown::DrainArgs;
-use pdserve_runtime::telemetry::TelemetryArgs;
+use pdserve_worker::ServerArgs;
 
 /// pdserve decode worker.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "pdserve-decode", version, about)]
 pub struct Args {
-    /// Address to listen on.
-    #[arg(long, env = "PDSERVE_HOST", default_value = "127.0.0.1")]
-    pub host: String,
     /// Port to listen on (0 picks a free one).
     #[arg(long, env = "PDSERVE_DECODE_PORT", default_value_t = 8200)]
     pub port: u16,
-    /// Base URL at which prefill workers reach this worker (default: http://HOST:PORT).
-    #[arg(long, env = "PDSERVE_PUBLIC_URL")]
-    pub public_url: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
     /// Sequences per decode step at most.
@@ -41,9 +33,5 @@ pub struct Args {
     )]
     pub peak_memory_bandwidth_gbps: f64,
     #[command(flatten)]
-    pub drain: DrainArgs,
-    #[command(flatten)]
-    pub registration: RegistrationArgs,
-    #[command(flatten)]
-    pub telemetry: TelemetryArgs,
+    pub server: ServerArgs,
 }

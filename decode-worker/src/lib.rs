@@ -1,48 +1,32 @@
-//! The pdserve decode worker: reserves KV for a request, takes the prompt's
-//! KV from a prefill worker (or prefills locally), and generates tokens with
-//! continuous batching, streaming them back as JSON lines.
+//! The pdserve decode worker: the real model behind the worker layer's
+//! decode server. It reserves KV in the model's pool, imports a prompt's KV
+//! from a prefill worker (or prefills it locally), and generates tokens with
+//! continuous batching ([`engine`]). Everything on the network is
+//! `pdserve_worker::decode`.
 
+pub mod backend;
 pub mod config;
 pub mod engine;
-pub mod http;
-pub mod ingest;
-pub mod metrics;
-pub mod state;
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use pdserve_engine::{KvPool, Model};
+use pdserve_engine::Model;
+use pdserve_worker::decode::{DecodeMetrics, DecodeServer};
 
+pub use backend::RealDecode;
 pub use config::Args;
-use engine::{EngineConfig, EngineHandle};
-use metrics::DecodeMetrics;
-use state::AppState;
+use engine::EngineConfig;
 
-/// Builds the worker's state around a loaded model: the KV pool, the engine
-/// thread and the metrics. The worker starts ready.
-pub fn build_state(model: Arc<Model>, eos: u32, args: &Args, public_url: String) -> Arc<AppState> {
+/// The decode server over `model`, its scheduler thread started; `eos` ends
+/// sequences, and KV ingest URLs name `public_url`. The worker starts ready.
+pub fn build(model: Arc<Model>, eos: u32, args: &Args, public_url: String) -> Arc<DecodeServer<RealDecode>> {
     let metrics = Arc::new(DecodeMetrics::new());
-    let pool = KvPool::new(model.kv_layout(), args.kv_cache_tokens);
-    let engine_cfg = EngineConfig {
+    let cfg = EngineConfig {
         max_batch: args.max_batch,
         prefill_chunk_tokens: args.prefill_chunk_tokens,
         queue_capacity: args.max_queue,
         peak_bytes_per_second: args.peak_memory_bandwidth_gbps * 1e9,
     };
-    let engine = EngineHandle::spawn(model.clone(), eos, engine_cfg, metrics.clone());
-    Arc::new(AppState {
-        model,
-        pool,
-        engine,
-        metrics,
-        pending: Default::default(),
-        public_url,
-        ready: AtomicBool::new(true),
-    })
-}
-
-/// The axum application.
-pub fn build_app(state: Arc<AppState>) -> axum::Router {
-    http::routes(state)
+    let backend = RealDecode::spawn(model, eos, args.kv_cache_tokens, cfg, metrics.clone());
+    DecodeServer::new(backend, metrics, public_url)
 }

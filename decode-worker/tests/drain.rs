@@ -9,7 +9,8 @@ use std::time::Duration;
 use common::*;
 use pdserve_engine::KvDtype;
 use pdserve_protocol::internal::{FinishReason, GenerateEvent, KvSource};
-use pdserve_runtime::testing::{assert_refused_while_draining, eventually, WorkerProcess, WAIT};
+use pdserve_testkit::http::eventually;
+use pdserve_testkit::process::{assert_refused_while_draining, WorkerProcess, WAIT};
 
 async fn spawn_worker(path: &std::path::Path, drain_seconds: u64) -> WorkerProcess {
     WorkerProcess::worker(env!("CARGO_BIN_EXE_pdserve-decode"), path, drain_seconds).await
@@ -27,8 +28,8 @@ async fn reserve(url: &str, id: &str, n: u32, lease_ms: u64) -> (Lines, String) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_in_flight_sequences_then_exits() {
-    let (_dir, path, model) = tiny_model();
-    let mut w = spawn_worker(&path, 30).await;
+    let (tiny, model) = tiny_model();
+    let mut w = spawn_worker(&tiny.path, 30).await;
     // In flight for sure: a sequence whose KV has not arrived yet. And a
     // local one that may or may not still be generating at the signal.
     let (mut lines, kv_url) = reserve(&w.url, "inflight", 40, 60_000).await;
@@ -75,8 +76,8 @@ async fn sigterm_finishes_in_flight_sequences_then_exits() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_drain_deadline_cuts_a_sequence_that_takes_too_long() {
-    let (_dir, path, _model) = tiny_model();
-    let mut w = spawn_worker(&path, 1).await;
+    let (tiny, _model) = tiny_model();
+    let mut w = spawn_worker(&tiny.path, 1).await;
     // Its KV never comes, and its lease outlasts the drain.
     let (lines, _kv_url) = reserve(&w.url, "stuck", 8, 600_000).await;
     w.terminate();

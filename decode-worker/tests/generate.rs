@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use futures_util::StreamExt;
 use pdserve_engine::KvDtype;
-use pdserve_protocol::internal::{FinishReason, GenerateEvent, KvSource};
+use pdserve_protocol::internal::{ErrorKind, FinishReason, GenerateEvent, KvSource};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_generation_streams_the_engine_tokens() {
@@ -148,10 +148,10 @@ async fn corrupt_kv_is_refused_and_the_reservation_survives_for_a_retry() {
 async fn an_expired_lease_releases_the_reservation() {
     let w = start(&[]).await;
     let (lines, url) = reserve_remote(&w, "late-1", &prompt(5, 1), 4, 100).await;
-    assert!(load(&w.url).await["kv_used_tokens"].as_u64().unwrap() > 0);
+    assert!(load(&w.url).await.kv_used_tokens > 0);
     let events = lines.all().await;
     match events.last() {
-        Some(GenerateEvent::Error(e)) => assert_eq!(e.kind, "kv_lease_expired"),
+        Some(GenerateEvent::Error(e)) => assert_eq!(e.kind, ErrorKind::KvLeaseExpired),
         other => panic!("expected a lease error, got {other:?}"),
     }
     assert!(wait_kv_free(&w.url).await);
@@ -252,11 +252,9 @@ async fn health_ready_and_load() {
         200
     );
     let l = load(&w.url).await;
-    assert_eq!(l["ready"], true);
-    assert_eq!(l["kv_free_tokens"], 65_536);
-    w.state
-        .ready
-        .store(false, std::sync::atomic::Ordering::Relaxed);
+    assert!(l.ready);
+    assert_eq!(l.kv_free_tokens, 65_536);
+    w.server.readiness().stop();
     assert_eq!(
         reqwest::get(format!("{}/ready", w.url))
             .await
@@ -273,10 +271,10 @@ async fn a_client_leaving_while_waiting_for_kv_frees_the_reservation_at_once() {
     let w = start(&[]).await;
     // A lease far longer than the test: only the disconnect can free it.
     let (lines, _url) = reserve_remote(&w, "gone-1", &prompt(5, 2), 4, 600_000).await;
-    assert!(load(&w.url).await["kv_used_tokens"].as_u64().unwrap() > 0);
+    assert!(load(&w.url).await.kv_used_tokens > 0);
     drop(lines);
     assert!(wait_kv_free(&w.url).await);
-    assert!(w.state.pending().is_empty());
+    assert_eq!(w.server.waiting_for_kv(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -304,7 +302,7 @@ async fn a_lease_that_ends_during_a_failed_ingest_releases_the_reservation() {
         .await
         .expect("the stream must end: the reservation outlived its lease");
     match events.last() {
-        Some(GenerateEvent::Error(e)) => assert_eq!(e.kind, "kv_lease_expired"),
+        Some(GenerateEvent::Error(e)) => assert_eq!(e.kind, ErrorKind::KvLeaseExpired),
         other => panic!("expected a lease error, got {other:?}"),
     }
     assert!(wait_kv_free(&w.url).await);

@@ -1,33 +1,23 @@
 //! `pdserve-loadtest run` against a real router over mock-engine workers:
 //! the JSON report accounts for exactly the requests sent.
 
-use std::time::Duration;
-
 use clap::Parser;
-use pdserve_engine::testing::{write_tiny_gguf, TinyModelSpec};
+use pdserve_testkit::http::{bind, serve_on, wait_ready};
+use pdserve_testkit::tiny::TinyModel;
 use serde_json::Value;
-
-async fn serve(app: axum::Router) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    url
-}
+use tokio_util::sync::CancellationToken;
 
 async fn mock(model: &str, pool: &str) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (listener, url) = bind().await;
     let args = pdserve_mock_worker::Args::parse_from(["mock", "--pool", pool, "--model", model]);
-    let worker = pdserve_mock_worker::build(&args, url.clone()).unwrap();
-    let app = worker.app();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    serve_on(listener, pdserve_mock_worker::build(&args, url.clone()).unwrap().app());
     url
 }
 
 /// A router over one mock prefill and one mock decode worker.
 async fn cluster(model: &str) -> String {
-    let prefill = mock(model, "prefill").await;
-    let decode = mock(model, "decode").await;
+    let prefill = format!("--prefill-url={}", mock(model, "prefill").await);
+    let decode = format!("--decode-url={}", mock(model, "decode").await);
     let args = pdserve_router::Args::try_parse_from([
         "pdserve-router",
         "--model",
@@ -38,25 +28,13 @@ async fn cluster(model: &str) -> String {
         "disaggregated",
         "--health-interval-ms",
         "50",
-        &format!("--prefill-url={prefill}"),
-        &format!("--decode-url={decode}"),
+        &prefill,
+        &decode,
     ])
     .unwrap();
-    let state = pdserve_router::build_state(&args).unwrap();
-    pdserve_router::discovery::spawn(
-        state.registry.clone(),
-        pdserve_router::discovery_config(&args),
-        tokio_util::sync::CancellationToken::new(),
-    );
-    let url = serve(pdserve_router::build_app(state)).await;
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    while reqwest::get(format!("{url}/ready")).await.unwrap().status() != 200 {
-        assert!(
-            std::time::Instant::now() < until,
-            "the router never became ready"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (listener, url) = bind().await;
+    pdserve_router::spawn(&args, listener, CancellationToken::new()).unwrap();
+    wait_ready(&url).await;
     url
 }
 
@@ -90,10 +68,8 @@ async fn loadtest(args: &[&str]) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_json_report_accounts_for_every_request_sent() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny.gguf");
-    write_tiny_gguf(&model, &TinyModelSpec::default()).unwrap();
-    let url = cluster(model.to_str().unwrap()).await;
+    let model = TinyModel::new();
+    let url = cluster(model.arg()).await;
     let v = loadtest(&[
         "--url",
         &url,

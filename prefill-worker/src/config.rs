@@ -2,24 +2,16 @@
 
 use clap::Parser;
 use pdserve_engine::args::ModelArgs;
-use pdserve_engine::KvDtype;
-use pdserve_runtime::registration::RegistrationArgs;
-use pdserve_runtime::shutdown::DrainArgs;
-use pdserve_runtime::telemetry::TelemetryArgs;
+use pdserve_protocol::kvwire::KvDtype;
+use pdserve_worker::ServerArgs;
 
 /// pdserve prefill worker.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "pdserve-prefill", version, about)]
 pub struct Args {
-    /// Address to listen on.
-    #[arg(long, env = "PDSERVE_HOST", default_value = "127.0.0.1")]
-    pub host: String,
     /// Port to listen on (0 picks a free one).
     #[arg(long, env = "PDSERVE_PREFILL_PORT", default_value_t = 8100)]
     pub port: u16,
-    /// Base URL at which the router reaches this worker (default: http://HOST:PORT).
-    #[arg(long, env = "PDSERVE_PUBLIC_URL")]
-    pub public_url: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
     /// Prompt tokens per forward pass; longer prompts run in chunks.
@@ -37,17 +29,13 @@ pub struct Args {
     #[arg(long, env = "PDSERVE_MAX_QUEUE", default_value_t = 64)]
     pub max_queue: usize,
     /// KV element type on the wire: f32 (exact) or f16 (half the bytes).
-    #[arg(long, env = "PDSERVE_KV_DTYPE", default_value = "f32", value_parser = parse_dtype)]
+    #[arg(long, env = "PDSERVE_KV_DTYPE", default_value = "f32")]
     pub kv_dtype: KvDtype,
     /// Peak matmul throughput of this machine in GFLOP/s, for the FLOPs-utilisation (MFU) estimate.
     #[arg(long, env = "PDSERVE_PEAK_GFLOPS", default_value_t = 410.0)]
     pub peak_gflops: f64,
     #[command(flatten)]
-    pub drain: DrainArgs,
-    #[command(flatten)]
-    pub registration: RegistrationArgs,
-    #[command(flatten)]
-    pub telemetry: TelemetryArgs,
+    pub server: ServerArgs,
 }
 
 /// Batches of short prompts pay on a 2-core CPU up to about this many
@@ -63,13 +51,6 @@ impl Args {
     }
 }
 
-fn parse_dtype(s: &str) -> Result<KvDtype, String> {
-    match s {
-        "f32" => Ok(KvDtype::F32),
-        "f16" => Ok(KvDtype::F16),
-        other => Err(format!("unknown KV dtype `{other}` (expected f32 or f16)")),
-    }
-}
 
 #[cfg(test)]
 mod tests {

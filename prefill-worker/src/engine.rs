@@ -1,43 +1,18 @@
-//! The model thread. It takes jobs off a bounded queue; when several short
-//! prompts are waiting it runs them together, as segments of one forward
-//! pass, and a long prompt runs alone, in chunks. Each layer's KV is framed
-//! and handed to the job's HTTP upload as soon as the forward pass has
-//! written it, so the transfer overlaps the rest of the compute. Running a
-//! batch is in `prefill.rs`.
+//! The model thread, and the real engine as the worker layer's
+//! [`PrefillBackend`]. The thread takes jobs off a bounded queue; when
+//! several short prompts are waiting it runs them together, as segments of
+//! one forward pass, and a long prompt runs alone, in chunks. Each layer's
+//! KV is framed and handed to the job's HTTP upload as soon as the forward
+//! pass has written it, so the transfer overlaps the rest of the compute.
+//! Running a batch is in `prefill.rs`.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
-use bytes::Bytes;
-use pdserve_engine::{KvDtype, KvPool, Model};
-use pdserve_protocol::internal::{ErrorBody, PrefillJob};
-use pdserve_runtime::queue::{try_submit, QueueGauge};
-use tokio::sync::{mpsc, oneshot};
-use tokio_util::sync::CancellationToken;
-
-use crate::metrics::PrefillMetrics;
-
-/// What the model thread reports for a finished prompt.
-#[derive(Debug)]
-pub struct Computed {
-    /// When the forward pass and sampling ended (the end frame was queued).
-    pub finished_at: Instant,
-    pub first_token: u32,
-    pub queue_seconds: f64,
-    pub compute_seconds: f64,
-    pub bytes: u64,
-}
-
-/// A job for the model thread.
-pub struct Task {
-    pub job: PrefillJob,
-    pub enqueued: Instant,
-    pub cancel: CancellationToken,
-    /// Frames of the KV stream, read by the upload to the decode worker.
-    pub frames: mpsc::Sender<Bytes>,
-    pub reply: oneshot::Sender<Result<Computed, ErrorBody>>,
-}
+use pdserve_engine::{KvDtype, KvPool, Model, ModelConfig};
+use pdserve_protocol::internal::{ErrorBody, ErrorKind};
+use pdserve_worker::prefill::{Computed, PrefillBackend, PrefillMetrics, PrefillTask as Task};
+use pdserve_worker::queue::{EngineQueue, EngineStats};
+use tokio::sync::mpsc;
 
 /// Scheduler settings.
 #[derive(Debug, Clone)]
@@ -55,53 +30,52 @@ pub struct EngineConfig {
     pub peak_flops: f64,
 }
 
-/// Queue counters for `/load` and metrics.
-#[derive(Debug, Default)]
-pub struct QueueStats {
-    pub queue: QueueGauge,
-    pub running: AtomicU64,
-    /// Prompt tokens per second of the last job, as f64 bits.
-    pub tokens_per_second: AtomicU64,
-}
-
-/// Sends jobs to the model thread.
+/// The model and its thread: the real prefill engine.
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<Task>,
-    pub stats: Arc<QueueStats>,
+    model: Arc<Model>,
+    queue: EngineQueue<Task>,
 }
 
 impl EngineHandle {
     /// Starts the model thread. Call it inside a Tokio runtime: the thread
     /// uses the runtime's timer to bound its wait for a slow upload.
     pub fn spawn(model: Arc<Model>, cfg: EngineConfig, metrics: Arc<PrefillMetrics>) -> Self {
-        let (tx, rx) = mpsc::channel(cfg.queue_capacity.max(1));
-        let stats = Arc::new(QueueStats::default());
+        let (queue, rx) = EngineQueue::new(cfg.queue_capacity);
         // Room for a full batch of prompts, or one whole prompt.
         let kv_budget = model.config().context_length.max(cfg.batch_tokens);
         let worker = Worker {
             rt: tokio::runtime::Handle::current(),
             pool: KvPool::new(model.kv_layout(), kv_budget),
-            model,
+            model: model.clone(),
             cfg,
             metrics,
-            stats: stats.clone(),
+            stats: queue.stats().clone(),
         };
         std::thread::Builder::new()
             .name("pdserve-prefill-engine".into())
             .spawn(move || worker.run(rx))
             .expect("spawn the engine thread");
-        Self { tx, stats }
+        Self { model, queue }
     }
 
-    /// Queues a task; a full queue is a retryable error.
-    pub fn submit(&self, task: Task) -> Result<(), ErrorBody> {
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+}
+
+impl PrefillBackend for EngineHandle {
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn submit(&self, task: Task) -> Result<(), ErrorBody> {
         let tokens = task.job.prompt_tokens.len() as u64;
-        try_submit(&self.tx, &self.stats.queue, task, tokens)
+        self.queue.submit(task, tokens)
     }
 
-    pub fn in_flight(&self) -> u64 {
-        self.stats.queue.requests() + self.stats.running.load(Ordering::Relaxed)
+    fn stats(&self) -> &EngineStats {
+        self.queue.stats()
     }
 }
 
@@ -111,7 +85,7 @@ pub(crate) struct Worker {
     pub(crate) pool: KvPool,
     pub(crate) cfg: EngineConfig,
     pub(crate) metrics: Arc<PrefillMetrics>,
-    pub(crate) stats: Arc<QueueStats>,
+    pub(crate) stats: Arc<EngineStats>,
 }
 
 impl Worker {
@@ -153,12 +127,9 @@ impl Worker {
 
     fn run_batch(&self, tasks: Vec<Task>) {
         for t in &tasks {
-            self.stats.queue.taken(t.job.prompt_tokens.len() as u64);
+            self.stats.taken(t.job.prompt_tokens.len() as u64, true);
         }
-        self.stats
-            .running
-            .store(tasks.len() as u64, Ordering::Relaxed);
-        self.publish();
+        self.metrics.publish(&self.stats);
         let queued: Vec<f64> = tasks
             .iter()
             .map(|t| t.enqueued.elapsed().as_secs_f64())
@@ -166,34 +137,16 @@ impl Worker {
         let results =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.prefill(&tasks)))
                 .unwrap_or_else(|_| {
-                    let panicked =
-                        || ErrorBody::retryable("engine_panic", "the prefill engine failed");
+                    let panicked = || {
+                        ErrorBody::retryable(ErrorKind::EnginePanic, "the prefill engine failed")
+                    };
                     tasks.iter().map(|_| Err(panicked())).collect()
                 });
-        self.stats.running.store(0, Ordering::Relaxed);
-        self.publish();
+        self.stats.set_running(0);
+        self.metrics.publish(&self.stats);
         for ((task, result), queue_seconds) in tasks.into_iter().zip(results).zip(queued) {
             let result = result.map(|c| Computed { queue_seconds, ..c });
             let _ = task.reply.send(result);
         }
     }
-
-    fn publish(&self) {
-        let pool = [pdserve_runtime::metrics::labels::POOL_PREFILL];
-        let queued = self.stats.queue.requests() + self.stats.running.load(Ordering::Relaxed);
-        self.metrics
-            .queue_depth
-            .with_label_values(&pool)
-            .set(queued as i64);
-        let tokens = self.stats.queue.tokens();
-        self.metrics
-            .queue_depth_tokens
-            .with_label_values(&pool)
-            .set(tokens as i64);
-    }
-}
-
-/// The error of a job cancelled by `DELETE` or by its caller going away.
-pub fn cancelled() -> ErrorBody {
-    ErrorBody::fatal("cancelled", "the job was cancelled")
 }

@@ -1,46 +1,32 @@
-//! The pdserve prefill worker: runs prompts through the model, in chunks,
-//! and streams their KV layer by layer to the decode worker named in each
-//! job, with the first sampled token at the end.
+//! The pdserve prefill worker: the real model behind the worker layer's
+//! prefill server. It runs prompts through the model, in chunks or batched
+//! ([`engine`]), and streams their KV layer by layer to the decode worker
+//! named in each job, with the first sampled token at the end. Everything
+//! on the network is `pdserve_worker::prefill`.
 
 pub mod config;
 pub mod engine;
-pub mod http;
-pub mod metrics;
 mod prefill;
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use pdserve_engine::Model;
+use pdserve_worker::prefill::{PrefillMetrics, PrefillServer};
 
 pub use config::Args;
-use engine::{EngineConfig, EngineHandle};
-use http::AppState;
-use metrics::PrefillMetrics;
+pub use engine::{EngineConfig, EngineHandle};
 
-/// Builds the worker's state around a loaded model. The worker starts ready.
-pub fn build_state(model: Arc<Model>, args: &Args) -> Arc<AppState> {
+/// The prefill server over `model`, its model thread started. The worker
+/// starts ready.
+pub fn build(model: Arc<Model>, args: &Args) -> Arc<PrefillServer<EngineHandle>> {
     let metrics = Arc::new(PrefillMetrics::new());
     let cfg = EngineConfig {
         chunk_tokens: args.prefill_chunk_tokens,
         batch_tokens: args.batch_tokens(),
         max_batch_jobs: args.prefill_batch_max_jobs.max(1),
         queue_capacity: args.max_queue,
-        kv_dtype: args.kv_dtype,
+        kv_dtype: args.kv_dtype.into(),
         peak_flops: args.peak_gflops * 1e9,
     };
-    let engine = EngineHandle::spawn(model.clone(), cfg, metrics.clone());
-    Arc::new(AppState {
-        model,
-        engine,
-        metrics,
-        client: reqwest::Client::new(),
-        jobs: Default::default(),
-        ready: AtomicBool::new(true),
-    })
-}
-
-/// The axum application.
-pub fn build_app(state: Arc<AppState>) -> axum::Router {
-    http::routes(state)
+    PrefillServer::new(EngineHandle::spawn(model, cfg, metrics.clone()), metrics)
 }

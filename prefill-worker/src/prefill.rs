@@ -5,17 +5,18 @@
 //! or whose upload fails drops out; the others go on.
 
 use std::ops::{ControlFlow, Range};
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
 use pdserve_engine::{EngineError, Segment, SeqKv};
-use pdserve_protocol::internal::{ErrorBody, PrefillJob};
+use pdserve_protocol::internal::{ErrorBody, ErrorClass, ErrorKind, PrefillJob};
 use pdserve_protocol::kvwire::{self, KvHeader, KvTrailer};
+use pdserve_worker::prefill::{cancelled, upload_stopped, Computed, PrefillTask as Task};
 use tokio::sync::mpsc::error::TrySendError;
+use tokio::time::Instant;
 
-use crate::engine::{cancelled, Computed, Task, Worker};
+use crate::engine::Worker;
 
 /// One forward pass: which members take part, and which of their prompt tokens.
 type Pass = Vec<(usize, Range<usize>)>;
@@ -99,14 +100,14 @@ impl Worker {
         let mut m = Member::default();
         let opened = match task.cancel.is_cancelled() {
             true => Err(ErrorBody::fatal(
-                "cancelled",
+                ErrorKind::Cancelled,
                 "the job was cancelled while queued",
             )),
             false => self.header(&task.job).and_then(|h| {
                 let kv = self
                     .pool
                     .allocate(task.job.prompt_tokens.len())
-                    .map_err(|e| ErrorBody::retryable(e.kind(), e.to_string()))?;
+                    .map_err(|e| ErrorBody::from(&e))?;
                 let frame = kvwire::encode_header(&h).map_err(ErrorBody::from)?;
                 Ok((kv, self.send(task, frame.into())?))
             }),
@@ -162,8 +163,7 @@ impl Worker {
                 }
                 Ok(_) | Err(EngineError::Interrupted { .. }) => {}
                 Err(e) => {
-                    m.failed
-                        .get_or_insert(ErrorBody::fatal(e.kind(), e.to_string()));
+                    m.failed.get_or_insert(e.to_wire(ErrorClass::Fatal));
                 }
             }
         }
@@ -191,14 +191,14 @@ impl Worker {
         }
         let Some(logits) = m.logits.take() else {
             return Err(ErrorBody::retryable(
-                "engine_failed",
+                ErrorKind::EngineFailed,
                 "the forward pass produced no logits",
             ));
         };
         let params = SamplingParams::from(&task.job.sampling);
         let n = task.job.prompt_tokens.len();
         let first = sample(&logits, &params, n as u64, &TokenCounts::default())
-            .map_err(|e| ErrorBody::fatal("sampling", e.to_string()))?;
+            .map_err(|e| ErrorBody::fatal(ErrorKind::Sampling, e.to_string()))?;
         let trailer = KvTrailer {
             first_token: first.token,
             first_logprob: first.logprob,
@@ -211,8 +211,7 @@ impl Worker {
                 .into(),
         )?;
         let secs = started.elapsed().as_secs_f64();
-        self.metrics.prefill_seconds.observe(secs);
-        self.metrics.prompt_tokens.inc_by(n as u64);
+        self.metrics.prompt_done(n, secs);
         Ok(Computed {
             finished_at: Instant::now(),
             first_token: first.token,
@@ -231,24 +230,16 @@ impl Worker {
         self.metrics
             .mfu
             .set(flops / secs.max(1e-9) / self.cfg.peak_flops.max(1.0));
-        self.stats.tokens_per_second.store(
-            (tokens as f64 / secs.max(1e-9)).to_bits(),
-            Ordering::Relaxed,
-        );
+        self.stats.record_rate(tokens, secs);
     }
 
     fn header(&self, job: &PrefillJob) -> Result<KvHeader, ErrorBody> {
-        let layout = self.model.kv_layout();
-        Ok(KvHeader {
-            request_id: job.request_id.clone(),
-            model_fingerprint: self.model.fingerprint(),
-            dtype: self.cfg.kv_dtype.into(),
-            n_layers: layout.n_layers as u32,
-            n_kv_heads: layout.n_kv_heads as u32,
-            head_dim: layout.head_dim as u32,
-            n_tokens: job.prompt_tokens.len() as u32,
-            seed: job.sampling.seed,
-        })
+        let n = job.prompt_tokens.len() as u32;
+        let dtype = self.cfg.kv_dtype.into();
+        Ok(self
+            .model
+            .kv_shape()
+            .header(&job.request_id, n, job.sampling.seed, dtype))
     }
 
     fn frame(
@@ -260,7 +251,7 @@ impl Worker {
     ) -> Result<Bytes, ErrorBody> {
         let (mut k, mut v) = (Vec::new(), Vec::new());
         kv.export_rows(layer, self.cfg.kv_dtype, start, tokens, &mut k, &mut v)
-            .map_err(|e| ErrorBody::fatal(e.kind(), e.to_string()))?;
+            .map_err(|e| ErrorBody::from(&e))?;
         let mut out = Vec::with_capacity(k.len() + v.len() + 64);
         kvwire::encode_layer_parts(
             layer as u32,
@@ -278,24 +269,18 @@ impl Worker {
     /// job's deadline passes, whichever comes first.
     fn send(&self, task: &Task, frame: Bytes) -> Result<u64, ErrorBody> {
         let n = frame.len() as u64;
-        let stopped = || {
-            ErrorBody::retryable(
-                "kv_upload_failed",
-                "the KV upload to the decode worker stopped",
-            )
-        };
         match task.frames.try_send(frame) {
             Ok(()) => {}
-            Err(TrySendError::Closed(_)) => return Err(stopped()),
+            Err(TrySendError::Closed(_)) => return Err(upload_stopped()),
             Err(TrySendError::Full(frame)) => {
                 let deadline = task.enqueued + Duration::from_millis(task.job.deadline_ms.max(1));
                 self.rt.block_on(async {
                     tokio::select! {
                         biased;
                         _ = task.cancel.cancelled() => Err(cancelled()),
-                        r = task.frames.send(frame) => r.map_err(|_| stopped()),
-                        _ = tokio::time::sleep_until(deadline.into()) => Err(ErrorBody::retryable(
-                            "deadline_exceeded",
+                        r = task.frames.send(frame) => r.map_err(|_| upload_stopped()),
+                        _ = tokio::time::sleep_until(deadline) => Err(ErrorBody::retryable(
+                            ErrorKind::DeadlineExceeded,
                             "the KV upload fell behind the job's deadline",
                         )),
                     }

@@ -8,10 +8,10 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use common::*;
-use pdserve_engine::testing::TinyModelSpec;
-use pdserve_prefill::engine::EngineHandle;
-use pdserve_prefill::metrics::PrefillMetrics;
-use pdserve_protocol::internal::PrefillJob;
+use pdserve_testkit::tiny::TinyModelSpec;
+use pdserve_prefill::EngineHandle;
+use pdserve_worker::prefill::{PrefillBackend, PrefillMetrics};
+use pdserve_protocol::internal::{ErrorKind, PrefillJob};
 
 struct Bench {
     engine: EngineHandle,
@@ -114,7 +114,7 @@ async fn a_failed_or_cancelled_member_does_not_affect_the_others() {
     drop(frames);
     within(draining).await.unwrap().1.unwrap();
     let err = within(failing.reply).await.unwrap().unwrap_err();
-    assert_eq!(err.kind, "kv_upload_failed", "{err:?}");
+    assert_eq!(err.kind, ErrorKind::KvUploadFailed, "{err:?}");
     let reference = [&reference[0], &reference[2], &reference[3]];
     let mut results = Vec::new();
     for (e, (frames, first)) in ends.into_iter().zip(reference) {
@@ -122,7 +122,7 @@ async fn a_failed_or_cancelled_member_does_not_affect_the_others() {
         results.push(reply.map(|c| (c.first_token == *first, got == *frames)));
     }
     assert_eq!(results[0], Ok((true, true)), "j0 as alone");
-    assert_eq!(results[1].as_ref().unwrap_err().kind, "cancelled");
+    assert_eq!(results[1].as_ref().unwrap_err().kind, ErrorKind::Cancelled);
     assert_eq!(results[2], Ok((true, true)), "j3 as alone");
     // After the blocker: j0, j1 and j3 went into the forward pass together.
     assert_eq!(batch_sizes(&b), (4 + 2, 4.0 + 1.0 + 3.0));

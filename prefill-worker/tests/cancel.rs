@@ -8,10 +8,11 @@ use std::sync::Arc;
 
 use clap::Parser;
 use common::*;
-use pdserve_engine::testing::TinyModelSpec;
-use pdserve_prefill::engine::EngineHandle;
-use pdserve_prefill::metrics::PrefillMetrics;
-use pdserve_protocol::internal::ErrorBody;
+use pdserve_testkit::tiny::TinyModelSpec;
+use pdserve_prefill::EngineHandle;
+use pdserve_worker::prefill::{PrefillBackend, PrefillMetrics};
+use pdserve_protocol::internal::{ErrorBody, ErrorKind};
+use pdserve_testkit::http::serve;
 
 const LAYERS: usize = 6;
 
@@ -37,14 +38,14 @@ async fn a_cancelled_job_stops_between_layers_of_one_chunk() {
     ends.cancel.cancel();
     let (rest, reply) = ends.finish().await;
     let err = reply.unwrap_err();
-    assert_eq!(err.kind, "cancelled", "{err:?}");
+    assert_eq!(err.kind, ErrorKind::Cancelled, "{err:?}");
     // Layer 1 may be in the channel and layer 2 may race the cancel; no more.
     assert!(
         rest.len() <= 2,
         "{} more frames after the cancel: the later layers still ran",
         rest.len()
     );
-    assert_eq!(engine.in_flight(), 0);
+    assert_eq!(engine.stats().in_flight(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -59,7 +60,7 @@ async fn a_stalled_upload_fails_at_the_deadline_and_the_engine_goes_on() {
     let _header = within(ends.frames.recv()).await.unwrap();
     let err = within(&mut ends.reply).await.unwrap().unwrap_err();
     let waited = started.elapsed();
-    assert_eq!(err.kind, "deadline_exceeded", "{err:?}");
+    assert_eq!(err.kind, ErrorKind::DeadlineExceeded, "{err:?}");
     assert!(
         waited >= std::time::Duration::from_millis(300),
         "failed after {waited:?}, before the deadline"
@@ -81,11 +82,7 @@ async fn a_stalled_upload_fails_at_the_deadline_and_the_engine_goes_on() {
 async fn delete_cancels_a_running_job() {
     let t = tiny(&TinyModelSpec::default());
     let args = pdserve_prefill::Args::parse_from(["p", "--model", t.path.to_str().unwrap()]);
-    let state = pdserve_prefill::build_state(t.model.clone(), &args);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let app = pdserve_prefill::build_app(state);
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let url = serve(pdserve_prefill::build(t.model.clone(), &args).routes()).await;
     let mut sink = KvSink::start(false).await;
     let client = reqwest::Client::new();
     let job = job("del", prompt(30, 1), &sink.url_for("del"));
@@ -107,7 +104,7 @@ async fn delete_cancels_a_running_job() {
     let resp = within(running).await.unwrap().unwrap();
     assert_eq!(resp.status(), 400);
     let e: ErrorBody = resp.json().await.unwrap();
-    assert_eq!(e.kind, "cancelled", "{e:?}");
+    assert_eq!(e.kind, ErrorKind::Cancelled, "{e:?}");
     let gone = client
         .delete(format!("{url}/v1/internal/prefill/del"))
         .send()

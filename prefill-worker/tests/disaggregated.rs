@@ -4,55 +4,43 @@
 use std::sync::Arc;
 
 use clap::Parser;
-use pdserve_engine::testing::{write_tiny_gguf, TinyModelSpec};
 use pdserve_engine::{LoadOptions, Model, WeightFormat};
 use pdserve_protocol::internal::{
-    ErrorBody, GenerateEvent, GenerateRequest, KvSource, PrefillJob, PrefillResult, SamplingSpec,
+    ErrorBody, ErrorKind, GenerateEvent, GenerateRequest, KvSource, PrefillJob, PrefillResult,
+    SamplingSpec,
 };
+use pdserve_testkit::http::{metrics, post, serve};
+use pdserve_testkit::ndjson::{token_ids, Lines};
+use pdserve_testkit::tiny::{TinyModel, TINY_EOS};
 
 struct Cluster {
     prefill: String,
     decode: String,
-    _dir: tempfile::TempDir,
-}
-
-async fn serve(app: axum::Router) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    url
+    _tiny: TinyModel,
 }
 
 async fn cluster(prefill_args: &[&str]) -> Cluster {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    write_tiny_gguf(&path, &TinyModelSpec::default()).unwrap();
-    let model_path = path.to_str().unwrap();
+    let tiny = TinyModel::new();
     let opts = LoadOptions {
         weights: WeightFormat::Q8_0,
         ..Default::default()
     };
-    let model = Arc::new(Model::load(&path, &opts).unwrap());
+    let model = || Arc::new(Model::load(&tiny.path, &opts).unwrap());
     // The decode worker.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let decode = format!("http://{}", listener.local_addr().unwrap());
-    let dargs = pdserve_decode::Args::parse_from(["d", "--model", model_path]);
-    let dstate = pdserve_decode::build_state(model.clone(), 2, &dargs, decode.clone());
-    let app = pdserve_decode::build_app(dstate);
+    let dargs = pdserve_decode::Args::parse_from(["d", "--model", tiny.arg()]);
+    let app = pdserve_decode::build(model(), TINY_EOS, &dargs, decode.clone()).routes();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     // The prefill worker, with its own copy of the model.
-    let mut argv = vec!["p", "--model", model_path];
+    let mut argv = vec!["p", "--model", tiny.arg()];
     argv.extend_from_slice(prefill_args);
     let pargs = pdserve_prefill::Args::parse_from(argv);
-    let pmodel = Arc::new(Model::load(&path, &opts).unwrap());
-    let prefill = serve(pdserve_prefill::build_app(pdserve_prefill::build_state(
-        pmodel, &pargs,
-    )))
-    .await;
+    let prefill = serve(pdserve_prefill::build(model(), &pargs).routes()).await;
     Cluster {
         prefill,
         decode,
-        _dir: dir,
+        _tiny: tiny,
     }
 }
 
@@ -72,19 +60,8 @@ fn sampling(max_tokens: u32) -> SamplingSpec {
 
 /// Runs a generate stream to the end; returns its token ids and last event.
 async fn run_stream(resp: reqwest::Response) -> (Vec<u32>, GenerateEvent) {
-    let text = resp.text().await.unwrap();
-    let events: Vec<GenerateEvent> = text
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    let tokens = events
-        .iter()
-        .filter_map(|e| match e {
-            GenerateEvent::Token { id, .. } => Some(*id),
-            _ => None,
-        })
-        .collect();
-    (tokens, events.last().unwrap().clone())
+    let events = Lines::new(resp).all().await;
+    (token_ids(&events), events.last().unwrap().clone())
 }
 
 async fn generate(c: &Cluster, id: &str, p: Vec<u32>, source: KvSource) -> reqwest::Response {
@@ -94,12 +71,7 @@ async fn generate(c: &Cluster, id: &str, p: Vec<u32>, source: KvSource) -> reqwe
         sampling: sampling(12),
         kv_source: source,
     };
-    reqwest::Client::new()
-        .post(format!("{}/v1/internal/generate", c.decode))
-        .json(&req)
-        .send()
-        .await
-        .unwrap()
+    post(&c.decode, "/v1/internal/generate", &req).await
 }
 
 /// Reads the `Reserved` line without consuming the rest of the stream.
@@ -124,12 +96,7 @@ async fn prefill(c: &Cluster, id: &str, p: Vec<u32>, url: &str) -> reqwest::Resp
         kv_destination: url.into(),
         deadline_ms: 10_000,
     };
-    reqwest::Client::new()
-        .post(format!("{}/v1/internal/prefill", c.prefill))
-        .json(&job)
-        .send()
-        .await
-        .unwrap()
+    post(&c.prefill, "/v1/internal/prefill", &job).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -160,12 +127,7 @@ async fn disaggregated_gives_exactly_the_aggregated_tokens() {
         remote, local,
         "sampled with the same seed, position by position"
     );
-    let metrics = reqwest::get(format!("{}/metrics", c.prefill))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics(&c.prefill).await;
     assert!(
         metrics.contains("pdserve_prompt_tokens_total 30"),
         "{metrics}"
@@ -214,21 +176,21 @@ async fn an_unreachable_decode_worker_is_a_retryable_error() {
     .await;
     assert_eq!(resp.status(), 503);
     let e: ErrorBody = resp.json().await.unwrap();
-    assert_eq!(e.kind, "kv_upload_failed", "{e:?}");
+    assert_eq!(e.kind, ErrorKind::KvUploadFailed, "{e:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_jobs_are_fatal_errors() {
     let c = cluster(&[]).await;
     for (p, url, kind) in [
-        (vec![], "http://127.0.0.1:1/x", "invalid_request"),
-        (vec![3, 50_000], "http://127.0.0.1:1/x", "invalid_request"),
+        (vec![], "http://127.0.0.1:1/x", ErrorKind::InvalidRequest),
+        (vec![3, 50_000], "http://127.0.0.1:1/x", ErrorKind::InvalidRequest),
         (
             prompt(600),
             "http://127.0.0.1:1/x",
-            "context_length_exceeded",
+            ErrorKind::ContextLengthExceeded,
         ),
-        (prompt(3), "ftp://nowhere", "invalid_request"),
+        (prompt(3), "ftp://nowhere", ErrorKind::InvalidRequest),
     ] {
         let resp = prefill(&c, "bad", p, url).await;
         assert_eq!(resp.status(), 400);

@@ -4,7 +4,7 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use pdserve_protocol::internal::{ErrorBody, ErrorClass, Pool};
+use pdserve_protocol::internal::{ErrorBody, ErrorClass, ErrorKind, Pool};
 use pdserve_protocol::openai::{ErrorDetail, ErrorResponse};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -23,6 +23,9 @@ pub enum ApiError {
     ContextLength(String),
     #[error("the model `{0}` does not exist")]
     ModelNotFound(String),
+    /// No such endpoint.
+    #[error("no such endpoint: {0}")]
+    NotFound(String),
     #[error("invalid or missing API key")]
     Unauthorized,
     #[error("the request body is larger than {0} bytes")]
@@ -59,6 +62,8 @@ impl ApiError {
             ApiError::Invalid { .. } => "invalid_value",
             ApiError::ContextLength(_) => "context_length_exceeded",
             ApiError::ModelNotFound(_) => "model_not_found",
+            // The code clients have always seen for an unknown path.
+            ApiError::NotFound(_) => "invalid_value",
             ApiError::Unauthorized => "invalid_api_key",
             ApiError::PayloadTooLarge(_) => "payload_too_large",
             ApiError::Overloaded => "rate_limit_exceeded",
@@ -75,7 +80,7 @@ impl ApiError {
             ApiError::InvalidJson(_) | ApiError::Invalid { .. } | ApiError::ContextLength(_) => {
                 StatusCode::BAD_REQUEST
             }
-            ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded => StatusCode::TOO_MANY_REQUESTS,
@@ -102,6 +107,7 @@ impl ApiError {
             ApiError::Invalid { param, .. } => param.map(str::to_string),
             ApiError::ContextLength(_) => Some("messages".into()),
             ApiError::ModelNotFound(_) => Some("model".into()),
+            ApiError::NotFound(_) => Some("path".into()),
             _ => None,
         }
     }
@@ -122,18 +128,17 @@ impl ApiError {
     /// router validated it, so this is rare); retryable ones mean the pool
     /// could not take it.
     pub fn from_worker(pool: Pool, e: ErrorBody) -> Self {
-        match (e.class, e.kind.as_str()) {
-            (ErrorClass::Fatal, "context_length_exceeded") => ApiError::ContextLength(e.message),
+        use ErrorKind::{ContextLengthExceeded, KvExhausted, NotReady, Overloaded};
+        match (e.class, &e.kind) {
+            (ErrorClass::Fatal, ContextLengthExceeded) => ApiError::ContextLength(e.message),
             (ErrorClass::Fatal, _) => ApiError::Invalid {
                 param: None,
                 message: e.message,
             },
-            (ErrorClass::Retryable, "kv_exhausted" | "overloaded" | "not_ready") => {
-                ApiError::Busy {
-                    pool,
-                    message: e.message,
-                }
-            }
+            (ErrorClass::Retryable, KvExhausted | Overloaded | NotReady) => ApiError::Busy {
+                pool,
+                message: e.message,
+            },
             (ErrorClass::Retryable, _) => ApiError::Upstream {
                 pool,
                 message: format!("{}: {}", e.kind, e.message),
@@ -184,6 +189,7 @@ mod tests {
                 404,
                 "invalid_request_error",
             ),
+            (ApiError::NotFound("/x".into()), 404, "invalid_request_error"),
             (ApiError::Unauthorized, 401, "authentication_error"),
             (ApiError::PayloadTooLarge(1), 413, "invalid_request_error"),
             (ApiError::Overloaded, 429, "rate_limit_error"),
@@ -212,13 +218,14 @@ mod tests {
 
     #[test]
     fn worker_errors_keep_their_meaning() {
-        let busy =
-            ApiError::from_worker(Pool::Decode, ErrorBody::retryable("kv_exhausted", "full"));
+        let worker = |pool, e| ApiError::from_worker(pool, e);
+        let busy = worker(Pool::Decode, ErrorBody::retryable(ErrorKind::KvExhausted, "full"));
         assert_eq!(busy.status(), StatusCode::SERVICE_UNAVAILABLE);
-        let broken =
-            ApiError::from_worker(Pool::Prefill, ErrorBody::retryable("kv_upload_failed", "x"));
-        assert_eq!(broken.status(), StatusCode::BAD_GATEWAY);
-        let bad = ApiError::from_worker(Pool::Decode, ErrorBody::fatal("invalid_sampling", "x"));
+        let upload = ErrorBody::retryable(ErrorKind::KvUploadFailed, "x");
+        assert_eq!(worker(Pool::Prefill, upload).status(), StatusCode::BAD_GATEWAY);
+        let bad = worker(Pool::Decode, ErrorBody::fatal(ErrorKind::InvalidSampling, "x"));
         assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+        let long = ErrorBody::fatal(ErrorKind::ContextLengthExceeded, "x");
+        assert_eq!(worker(Pool::Decode, long).kind(), "context_length_exceeded");
     }
 }

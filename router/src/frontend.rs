@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use pdserve_engine::{ChatMessage, ModelConfig, Tokenizer};
+use pdserve_text::{ChatMessage, ModelConfig, Tokenizer};
 use pdserve_protocol::openai::{
     ChatCompletionRequest, CompletionRequest, MessageContent, PromptInput, RequestMessage,
 };

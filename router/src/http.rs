@@ -1,13 +1,12 @@
-//! HTTP handlers. They only translate: parse and validate (front end),
-//! start sequences (dispatcher), render (respond). Errors are `ApiError`s.
+//! HTTP handlers. They only translate: admit (request), parse and validate
+//! (front end), start sequences and answer (respond). Errors are `ApiError`s.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -26,6 +25,7 @@ use crate::error::ApiError;
 use crate::frontend::{Frontend, Prepared};
 use crate::metrics::RouterMetrics;
 use crate::registry::Registry;
+use crate::request::{Admission, Request};
 use crate::respond::render::{Format, Header};
 use crate::respond::{self, Ctx};
 
@@ -35,41 +35,10 @@ pub struct AppState {
     pub registry: Arc<Registry>,
     pub metrics: Arc<RouterMetrics>,
     pub api_keys: Vec<String>,
-    pub in_flight: Arc<AtomicUsize>,
-    /// False once draining: `/ready` is 503 and new requests are refused.
-    pub accepting: AtomicBool,
+    /// The concurrency limit; draining stops it accepting (`/ready` is then 503).
+    pub admission: Admission,
+    /// When the router started (Unix seconds), for `/v1/models`.
     pub started: u64,
-}
-
-/// A request in flight, counted until dropped (with the response body).
-pub struct InFlight {
-    count: Arc<AtomicUsize>,
-    metrics: Arc<RouterMetrics>,
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.count.fetch_sub(1, Ordering::Relaxed);
-        self.metrics.in_flight.dec();
-    }
-}
-
-impl AppState {
-    fn admit(&self) -> Result<InFlight, ApiError> {
-        if !self.accepting.load(Ordering::Relaxed) {
-            return Err(ApiError::NoWorker(Pool::Decode));
-        }
-        let before = self.in_flight.fetch_add(1, Ordering::Relaxed);
-        let permit = InFlight {
-            count: self.in_flight.clone(),
-            metrics: self.metrics.clone(),
-        };
-        self.metrics.in_flight.inc();
-        match before < self.frontend.limits.max_concurrent_requests {
-            true => Ok(permit),
-            false => Err(ApiError::Overloaded),
-        }
-    }
 }
 
 pub fn routes(state: Arc<AppState>) -> Router {
@@ -88,19 +57,9 @@ pub fn routes(state: Arc<AppState>) -> Router {
         .route("/v1/internal/workers/register", post(register))
         .route("/v1/internal/workers/heartbeat", post(heartbeat))
         .route("/v1/internal/workers/deregister", post(deregister))
-        .fallback(|| async {
-            ApiError::invalid("path", "no such endpoint").with_status(StatusCode::NOT_FOUND)
-        })
+        .fallback(|uri: axum::http::Uri| async move { ApiError::NotFound(uri.path().to_string()) })
         .layer(DefaultBodyLimit::max(state.frontend.limits.max_body_bytes))
         .with_state(state)
-}
-
-impl ApiError {
-    fn with_status(self, status: StatusCode) -> Response {
-        let mut r = self.into_response();
-        *r.status_mut() = status;
-        r
-    }
 }
 
 /// Compares in time independent of where the strings differ.
@@ -108,7 +67,11 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn authorize(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+async fn authorize(
+    State(s): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: Next,
+) -> Response {
     if s.api_keys.is_empty() {
         return next.run(req).await;
     }
@@ -139,33 +102,11 @@ fn parse<T: DeserializeOwned>(
         .map_err(|e| ApiError::InvalidJson(format!("invalid request body: {e}")))
 }
 
-fn new_id(prefix: &str) -> String {
-    use std::hash::{BuildHasher, Hasher};
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_usize(COUNTER.fetch_add(1, Ordering::Relaxed));
-    format!("{prefix}-{:016x}", h.finish())
-}
-
 fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or_default()
-}
-
-/// Counts the outcome of a request that failed before streaming.
-fn finish(s: &AppState, endpoint: &'static str, r: Result<Response, ApiError>) -> Response {
-    match r {
-        Ok(resp) => resp,
-        Err(e) => {
-            s.metrics
-                .requests
-                .with_label_values(&[endpoint, e.kind()])
-                .inc();
-            e.into_response()
-        }
-    }
 }
 
 async fn chat(
@@ -186,7 +127,8 @@ async fn completions(
     generate(&s, &headers, body, Format::Completion, prepare).await
 }
 
-/// Both generation endpoints: admit, parse, prepare, serve; count failures.
+/// Both generation endpoints: admit, parse, prepare, answer. The
+/// [`Request`] counts the outcome, whichever way it goes.
 async fn generate<R: DeserializeOwned>(
     s: &Arc<AppState>,
     headers: &HeaderMap,
@@ -194,69 +136,42 @@ async fn generate<R: DeserializeOwned>(
     format: Format,
     prepare: impl Fn(&Frontend, &R) -> Result<Prepared, ApiError>,
 ) -> Response {
-    let started = Instant::now();
-    let r = async {
-        let permit = s.admit()?;
+    let (endpoint, prefix) = match format {
+        Format::Chat => (labels::ENDPOINT_CHAT, "chatcmpl"),
+        Format::Completion => (labels::ENDPOINT_COMPLETIONS, "cmpl"),
+    };
+    let mut request = s.admission.begin(endpoint, prefix);
+    let prepared = request.admitted().and_then(|()| {
         let req: R = parse(body, s.frontend.limits.max_body_bytes)?;
-        let prepared = prepare(&s.frontend, &req)?;
-        serve(s, format, prepared, headers, started, permit).await
+        prepare(&s.frontend, &req)
+    });
+    let prepared = match prepared {
+        Ok(p) => p,
+        Err(e) => return request.refuse(e),
     };
-    let endpoint = match format {
-        Format::Chat => labels::ENDPOINT_CHAT,
-        Format::Completion => labels::ENDPOINT_COMPLETIONS,
-    };
-    finish(s, endpoint, r.await)
-}
-
-async fn serve(
-    s: &Arc<AppState>,
-    format: Format,
-    prepared: Prepared,
-    headers: &HeaderMap,
-    started: Instant,
-    permit: InFlight,
-) -> Result<Response, ApiError> {
-    let (prefix, endpoint) = match format {
-        Format::Chat => ("chatcmpl", labels::ENDPOINT_CHAT),
-        Format::Completion => ("cmpl", labels::ENDPOINT_COMPLETIONS),
-    };
-    let id = new_id(prefix);
     let client_id = headers
         .get(pdserve_protocol::internal::REQUEST_ID_HEADER)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    tracing::info!(request_id = %id, client_request_id = %client_id, choices = prepared.prompts.len() as u32 * prepared.params.n, stream = prepared.params.stream, "request");
+    tracing::info!(request_id = %request.id, client_request_id = %client_id, choices = prepared.prompts.len() as u32 * prepared.params.n, stream = prepared.params.stream, "request");
     let ctx = Ctx {
-        header: Header {
-            id,
-            created: unix_now(),
-            model: s.frontend.model_name.clone(),
-            fingerprint: format!("pdserve-{}", env!("CARGO_PKG_VERSION")),
-            format,
-            logprobs: prepared.params.logprobs,
-            include_usage: prepared.params.include_usage,
-        },
-        endpoint,
-        started,
+        header: header(s, &request, format, &prepared),
         tokenizer: s.frontend.tokenizer.clone(),
-        metrics: s.metrics.clone(),
-        permit,
+        request,
     };
-    let choices = respond::start_choices(&s.dispatcher, &ctx, &prepared).await?;
-    match prepared.params.stream {
-        true => respond::stream(ctx, &prepared, choices).await,
-        false => {
-            let resp = respond::complete(ctx, &prepared, choices).await?;
-            s.metrics
-                .requests
-                .with_label_values(&[endpoint, labels::STATUS_OK])
-                .inc();
-            s.metrics
-                .duration
-                .with_label_values(&[endpoint])
-                .observe(started.elapsed().as_secs_f64());
-            Ok(resp)
-        }
+    respond::respond(&s.dispatcher, ctx, prepared).await
+}
+
+/// The identity every object of the response shares.
+fn header(s: &AppState, request: &Request, format: Format, prepared: &Prepared) -> Header {
+    Header {
+        id: request.id.clone(),
+        created: unix_now(),
+        model: s.frontend.model_name.clone(),
+        fingerprint: format!("pdserve-{}", env!("CARGO_PKG_VERSION")),
+        format,
+        logprobs: prepared.params.logprobs,
+        include_usage: prepared.params.include_usage,
     }
 }
 
@@ -331,7 +246,7 @@ async fn detokenize(
 }
 
 async fn ready(State(s): State<Arc<AppState>>) -> StatusCode {
-    match s.accepting.load(Ordering::Relaxed) && s.registry.has_ready(Pool::Decode) {
+    match s.admission.is_accepting() && s.registry.has_ready(Pool::Decode) {
         true => StatusCode::OK,
         false => StatusCode::SERVICE_UNAVAILABLE,
     }
@@ -390,12 +305,5 @@ mod tests {
         assert!(!constant_time_eq(b"secret", b"secreT"));
         assert!(!constant_time_eq(b"secret", b"secret2"));
         assert!(!constant_time_eq(b"", b"x"));
-    }
-
-    #[test]
-    fn ids_are_unique() {
-        let a = new_id("chatcmpl");
-        assert!(a.starts_with("chatcmpl-"));
-        assert_ne!(a, new_id("chatcmpl"));
     }
 }

@@ -15,10 +15,10 @@ mod ndjson;
 pub mod params;
 pub mod policy;
 pub mod registry;
+pub mod request;
 pub mod respond;
 pub mod supervisor;
 
-use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::Arc;
 
 use pdserve_protocol::internal::Pool;
@@ -57,10 +57,12 @@ pub fn build_state(args: &Args) -> anyhow::Result<Arc<AppState>> {
         frontend,
         dispatcher,
         registry,
-        metrics,
+        metrics: metrics.clone(),
         api_keys: args.api_keys.clone(),
-        in_flight: Arc::new(AtomicUsize::new(0)),
-        accepting: AtomicBool::new(true),
+        admission: request::Admission::new(
+            args.limits().max_concurrent_requests,
+            metrics.clone(),
+        ),
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -70,6 +72,26 @@ pub fn build_state(args: &Args) -> anyhow::Result<Arc<AppState>> {
 
 pub fn build_app(state: Arc<AppState>) -> axum::Router {
     http::routes(state)
+}
+
+/// The router of `args` serving on `listener`, with its discovery loops,
+/// until `stop` is cancelled; no local workers and no autoscaler. For
+/// embedding a router in a test or a tool; the binary does more.
+pub fn spawn(
+    args: &Args,
+    listener: tokio::net::TcpListener,
+    stop: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<Arc<AppState>> {
+    let state = build_state(args)?;
+    discovery::spawn(state.registry.clone(), discovery_config(args), stop.clone());
+    let app = build_app(state.clone());
+    tokio::spawn(async move {
+        let served = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());
+        if let Err(e) = served.await {
+            tracing::error!("the embedded router stopped: {e}");
+        }
+    });
+    Ok(state)
 }
 
 /// The discovery settings from the flags.

@@ -1,4 +1,3 @@
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -58,9 +57,9 @@ async fn main() -> anyhow::Result<()> {
     let token = shutdown.clone();
     let graceful = async move {
         token.cancelled().await;
-        s.accepting.store(false, Ordering::Relaxed);
+        s.admission.stop_accepting();
         let until = Instant::now() + drain;
-        while Instant::now() < until && s.in_flight.load(Ordering::Relaxed) > 0 {
+        while Instant::now() < until && s.admission.in_flight() > 0 {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         tracing::info!("requests drained");

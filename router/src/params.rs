@@ -4,8 +4,8 @@
 
 use std::hash::{BuildHasher, Hasher};
 
-use pdserve_engine::sampler::MAX_TOP_LOGPROBS;
-use pdserve_engine::stop::{MAX_STOPS, MAX_STOP_BYTES};
+use pdserve_text::sampling::MAX_TOP_LOGPROBS;
+use pdserve_text::stop::StopMatcher;
 use pdserve_protocol::internal::SamplingSpec;
 use pdserve_protocol::openai::CommonParams;
 
@@ -32,7 +32,8 @@ pub struct Params {
     /// Whether the seed was given (choices then derive theirs from it).
     pub seeded: bool,
     pub n: u32,
-    pub stop: Vec<String>,
+    /// The stop sequences, as a matcher each choice clones.
+    pub stop: StopMatcher,
     pub stream: bool,
     pub include_usage: bool,
     pub logprobs: LogprobMode,
@@ -92,18 +93,7 @@ pub fn parse(
         k => Some(int_range("top_k", k, 1, u32::MAX as i64)?),
     };
     let stop = p.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
-    if stop.len() > MAX_STOPS {
-        return Err(ApiError::invalid(
-            "stop",
-            format!("at most {MAX_STOPS} stop sequences are allowed"),
-        ));
-    }
-    if stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
-        return Err(ApiError::invalid(
-            "stop",
-            format!("a stop sequence is at most {MAX_STOP_BYTES} bytes"),
-        ));
-    }
+    let stop = StopMatcher::new(stop).map_err(|e| ApiError::invalid("stop", e.to_string()))?;
     let top_logprobs = match logprobs {
         LogprobMode::None => 0,
         LogprobMode::Chat(k) | LogprobMode::Completion(k) => k,
@@ -214,6 +204,7 @@ mod tests {
             (r#"{"n":0}"#, "n"),
             (r#"{"max_tokens":0}"#, "max_tokens"),
             (r#"{"top_k":-2}"#, "top_k"),
+            (r#"{"stop":["a","b","c","d","e","f","g","h","i","j","k","l","m","n","o","p","q"]}"#, "stop"),
             (
                 r#"{"stream_options":{"include_usage":true}}"#,
                 "stream_options",
@@ -231,7 +222,7 @@ mod tests {
         let p = parse_json(r#"{"temperature":0,"top_k":-1,"stop":"END","seed":-1}"#).unwrap();
         assert_eq!(p.sampling.temperature, 0.0);
         assert_eq!(p.sampling.top_k, None);
-        assert_eq!(p.stop, vec!["END"]);
+        assert_eq!(p.stop, StopMatcher::new(vec!["END".into()]).unwrap());
         assert_eq!(p.sampling.seed, u64::MAX);
         assert_eq!(p.n, 1);
         assert!(!p.stream);

@@ -269,7 +269,12 @@ async fn logprobs_have_both_endpoint_shapes() {
     let lp = &v["choices"][0]["logprobs"];
     assert_eq!(lp["tokens"].as_array().unwrap().len(), 4);
     assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 4);
-    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+    // Keyed by token text: two alternatives that decode to the same text
+    // (bytes of an unfinished character) share a key.
+    for top in lp["top_logprobs"].as_array().unwrap() {
+        let n = top.as_object().unwrap().len();
+        assert!((1..=2).contains(&n), "{lp}");
+    }
     assert_eq!(lp["text_offset"][0], 0);
     let (_, v) = post_json(&c.url, "/v1/completions", &completion_body("Hi", json!({}))).await;
     assert!(v["choices"][0]["logprobs"].is_null());

@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,7 +23,8 @@ fn ready_workers(metrics: &str, pool: &str) -> usize {
         .unwrap_or(0.0) as usize
 }
 
-async fn metrics(url: &str) -> String {
+/// The router's metrics, or nothing while it does not answer.
+async fn metrics_or_empty(url: &str) -> String {
     match reqwest::get(format!("{url}/metrics")).await {
         Ok(r) => r.text().await.unwrap_or_default(),
         Err(_) => String::new(),
@@ -53,7 +53,7 @@ async fn peak_during(url: &str, load: impl std::future::Future<Output = ()>) -> 
     let (u, pk) = (url.to_string(), peaks.clone());
     let watcher = tokio::spawn(async move {
         loop {
-            let m = metrics(&u).await;
+            let m = metrics_or_empty(&u).await;
             pk.0.fetch_max(ready_workers(&m, "prefill"), Ordering::Relaxed);
             pk.1.fetch_max(ready_workers(&m, "decode"), Ordering::Relaxed);
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -70,21 +70,12 @@ async fn peak_during(url: &str, load: impl std::future::Future<Output = ()>) -> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pools_scale_up_and_down_independently_without_failures() {
-    let mock =
-        Path::new(env!("CARGO_BIN_EXE_pdserve-router")).with_file_name("pdserve-mock-worker");
-    assert!(
-        mock.exists() || !in_ci(),
-        "pdserve-mock-worker is missing beside pdserve-router"
-    );
-    if !mock.exists() {
-        eprintln!("skipped: build the workspace first (cargo test --release --workspace)");
+    if workspace_binary("pdserve-mock-worker").is_none() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny.gguf");
-    pdserve_engine::testing::write_tiny_gguf(&model, &Default::default()).unwrap();
+    let model = pdserve_testkit::tiny::TinyModel::new();
     let router = Router::start(
-        &model,
+        &model.path,
         MODEL,
         &[
             "--local-engine",

@@ -20,22 +20,6 @@ async fn text(url: &str, prompt: &str, extra: serde_json::Value) -> String {
     v["choices"][0]["text"].as_str().unwrap().to_string()
 }
 
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next())
-        .map_or(0.0, |v| v.parse().unwrap())
-}
-
-async fn router_metrics(url: &str) -> String {
-    reqwest::get(format!("{url}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aggregated_and_disaggregated_give_the_same_tokens() {
     let c = cluster(Opts {
@@ -43,7 +27,7 @@ async fn aggregated_and_disaggregated_give_the_same_tokens() {
         ..Default::default()
     })
     .await;
-    let p = c.model_path.to_str().unwrap();
+    let p = c.model.arg();
     let (agg, _) = router(
         p,
         &c.prefill_urls,
@@ -62,7 +46,7 @@ async fn aggregated_and_disaggregated_give_the_same_tokens() {
             assert_eq!(d, a, "prompt {i}, {extra}");
         }
     }
-    let m = router_metrics(&c.url).await;
+    let m = metrics(&c.url).await;
     assert!(
         metric(
             &m,
@@ -70,7 +54,7 @@ async fn aggregated_and_disaggregated_give_the_same_tokens() {
         ) >= 6.0,
         "{m}"
     );
-    let m = router_metrics(&agg).await;
+    let m = metrics(&agg).await;
     assert_eq!(
         metric(
             &m,
@@ -88,7 +72,7 @@ async fn auto_mode_prefills_short_prompts_locally() {
     })
     .await;
     text(&c.url, "Hi", json!({"max_tokens": 2})).await;
-    let m = router_metrics(&c.url).await;
+    let m = metrics(&c.url).await;
     assert_eq!(
         metric(
             &m,
@@ -102,7 +86,7 @@ async fn auto_mode_prefills_short_prompts_locally() {
         json!({"max_tokens": 2}),
     )
     .await;
-    let m = router_metrics(&c.url).await;
+    let m = metrics(&c.url).await;
     assert_eq!(
         metric(
             &m,
@@ -167,7 +151,7 @@ async fn a_prefill_worker_that_dies_mid_job_is_retried_on_another() {
         calls.load(Ordering::SeqCst) >= 1,
         "the dying worker was never tried"
     );
-    let m = router_metrics(&c.url).await;
+    let m = metrics(&c.url).await;
     assert!(metric(&m, "pdserve_prefill_retries_total") >= 1.0, "{m}");
 }
 
@@ -189,16 +173,16 @@ async fn a_client_that_disconnects_frees_its_kv() {
         let mut chunks = resp.bytes_stream();
         let _first = chunks.next().await.unwrap().unwrap();
         assert!(
-            decode.pool.usage().reserved_tokens > 0,
+            decode.load_report().kv_used_tokens > 0,
             "{mode}: KV is reserved while streaming"
         );
         drop(chunks);
         wait_until(Duration::from_secs(10), || {
             let d = decode.clone();
-            async move { d.pool.usage().reserved_tokens == 0 }
+            async move { d.load_report().kv_used_tokens == 0 }
         })
         .await;
-        let m = router_metrics(&c.url).await;
+        let m = metrics(&c.url).await;
         assert_eq!(metric(&m, "pdserve_requests_in_flight"), 0.0, "{mode}");
         assert_eq!(
             metric(
@@ -251,7 +235,7 @@ async fn a_prefill_slower_than_the_connect_timeout_is_not_retried() {
     })
     .await;
     *real.lock().unwrap() = c.prefill_urls[0].clone();
-    let p = c.model_path.to_str().unwrap();
+    let p = c.model.arg();
     let (url, _) = router(
         p,
         &[slow],

@@ -8,7 +8,7 @@ use std::time::Duration;
 use axum::routing::{get, post as route_post};
 use axum::Json;
 use common::*;
-use pdserve_protocol::internal::{ErrorBody, GenerateEvent, LoadReport};
+use pdserve_protocol::internal::{ErrorBody, ErrorKind, GenerateEvent, LoadReport};
 use serde_json::{json, Value};
 
 fn check_error(status: u16, v: &Value, want_status: u16, code: &str) {
@@ -203,7 +203,7 @@ async fn no_decode_worker_is_503_and_not_ready() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_decode_pool_is_503() {
     let full = decode_double(|| async {
-        let e = ErrorBody::retryable("kv_exhausted", "the KV budget is full");
+        let e = ErrorBody::retryable(ErrorKind::KvExhausted, "the KV budget is full");
         (axum::http::StatusCode::SERVICE_UNAVAILABLE, Json(e))
     })
     .await;

@@ -8,14 +8,14 @@ mod common;
 
 use common::process::*;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::json;
 
-const REAL_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+use pdserve_testkit::{real_model, REAL_MODEL_FILE as REAL_MODEL};
 
 async fn chat_ok(url: &str, model: &str) -> String {
     let body = json!({
@@ -37,11 +37,9 @@ async fn the_local_cluster_survives_a_killed_worker_and_stops_on_sigterm() {
     if !workers_built() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny.gguf");
-    pdserve_engine::testing::write_tiny_gguf(&model, &Default::default()).unwrap();
+    let model = pdserve_testkit::tiny::TinyModel::new();
     let router = Router::start(
-        &model,
+        &model.path,
         MODEL,
         &["--mode", "auto", "--local-prefill-max-tokens", "4"],
     );
@@ -98,13 +96,6 @@ async fn the_local_cluster_survives_a_killed_worker_and_stops_on_sigterm() {
         })
         .await;
     }
-}
-
-fn real_model() -> Option<PathBuf> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../models")
-        .join(REAL_MODEL);
-    path.exists().then_some(path)
 }
 
 fn python_with_openai() -> Option<String> {

@@ -4,57 +4,50 @@
 use std::sync::Arc;
 
 use clap::Parser;
-use pdserve_decode::state::AppState;
-use pdserve_decode::{build_app, build_state, Args};
+use pdserve_decode::{build, Args, RealDecode};
 use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
-use pdserve_engine::testing::{write_tiny_gguf, TinyModelSpec};
 use pdserve_engine::{KvDtype, KvPool, LoadOptions, Model, WeightFormat};
-use pdserve_protocol::internal::{GenerateEvent, GenerateRequest, KvSource, SamplingSpec};
-use pdserve_protocol::kvwire::{self, KvHeader, KvTrailer};
+use pdserve_protocol::internal::{GenerateRequest, KvSource, SamplingSpec};
+use pdserve_protocol::kvwire::{self, KvTrailer};
+use pdserve_testkit::tiny::{TinyModel, TINY_EOS};
+use pdserve_worker::decode::DecodeServer;
 
-pub const EOS: u32 = 2;
+pub use pdserve_testkit::http::load;
+pub use pdserve_testkit::ndjson::{token_ids as tokens, Lines};
 
 pub struct Worker {
     pub url: String,
-    pub state: Arc<AppState>,
+    pub server: Arc<DecodeServer<RealDecode>>,
     pub model: Arc<Model>,
-    _dir: tempfile::TempDir,
+    _tiny: TinyModel,
 }
 
-/// The tiny model written to a temporary directory, and loaded.
-pub fn tiny_model() -> (tempfile::TempDir, std::path::PathBuf, Arc<Model>) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    write_tiny_gguf(&path, &TinyModelSpec::default()).unwrap();
+/// The tiny model, written to a temporary directory and loaded.
+pub fn tiny_model() -> (TinyModel, Arc<Model>) {
+    let tiny = TinyModel::new();
     let opts = LoadOptions {
         weights: WeightFormat::Q8_0,
         ..Default::default()
     };
-    let model = Arc::new(Model::load(&path, &opts).unwrap());
-    (dir, path, model)
+    let model = Arc::new(Model::load(&tiny.path, &opts).unwrap());
+    (tiny, model)
 }
 
 pub async fn start(extra: &[&str]) -> Worker {
-    let (dir, path, model) = tiny_model();
-    let mut argv = vec![
-        "pdserve-decode",
-        "--model",
-        path.to_str().unwrap(),
-        "--port",
-        "0",
-    ];
+    let (tiny, model) = tiny_model();
+    let mut argv = vec!["pdserve-decode", "--model", tiny.arg(), "--port", "0"];
     argv.extend_from_slice(extra);
     let args = Args::parse_from(argv);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let state = build_state(model.clone(), EOS, &args, url.clone());
-    let app = build_app(state.clone());
+    let server = build(model.clone(), TINY_EOS, &args, url.clone());
+    let app = server.routes();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     Worker {
         url,
-        state,
+        server,
         model,
-        _dir: dir,
+        _tiny: tiny,
     }
 }
 
@@ -80,72 +73,7 @@ pub fn request(id: &str, prompt: Vec<u32>, max_tokens: u32, source: KvSource) ->
 
 /// Posts a generate request; returns the response (status checked by the caller).
 pub async fn post(url: &str, req: &GenerateRequest) -> reqwest::Response {
-    reqwest::Client::new()
-        .post(format!("{url}/v1/internal/generate"))
-        .json(req)
-        .send()
-        .await
-        .unwrap()
-}
-
-/// Reads the next JSON line of a generate stream.
-pub struct Lines {
-    resp: reqwest::Response,
-    buf: Vec<u8>,
-}
-
-impl Lines {
-    pub fn new(resp: reqwest::Response) -> Self {
-        Self {
-            resp,
-            buf: Vec::new(),
-        }
-    }
-
-    pub async fn next(&mut self) -> Option<GenerateEvent> {
-        loop {
-            if let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = self.buf.drain(..=i).collect();
-                return Some(serde_json::from_slice(&line).unwrap());
-            }
-            match self.resp.chunk().await.unwrap() {
-                Some(c) => self.buf.extend_from_slice(&c),
-                None => return None,
-            }
-        }
-    }
-
-    /// The events until the stream ends or breaks (a worker that went away).
-    pub async fn try_all(mut self) -> Vec<GenerateEvent> {
-        let mut out = Vec::new();
-        while let Ok(Some(c)) = self.resp.chunk().await {
-            self.buf.extend_from_slice(&c);
-        }
-        for line in self.buf.split(|&b| b == b'\n') {
-            if let Ok(e) = serde_json::from_slice(line) {
-                out.push(e);
-            }
-        }
-        out
-    }
-
-    pub async fn all(mut self) -> Vec<GenerateEvent> {
-        let mut out = Vec::new();
-        while let Some(e) = self.next().await {
-            out.push(e);
-        }
-        out
-    }
-}
-
-pub fn tokens(events: &[GenerateEvent]) -> Vec<u32> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            GenerateEvent::Token { id, .. } => Some(*id),
-            _ => None,
-        })
-        .collect()
+    pdserve_testkit::http::post(url, "/v1/internal/generate", req).await
 }
 
 /// Greedy generation straight on the engine, as the reference.
@@ -172,19 +100,10 @@ pub fn reference(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
     out
 }
 
-pub async fn load(url: &str) -> serde_json::Value {
-    reqwest::get(format!("{url}/load"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 /// Waits (bounded) until the worker holds no KV.
 pub async fn wait_kv_free(url: &str) -> bool {
     for _ in 0..200 {
-        if load(url).await["kv_used_tokens"] == 0 {
+        if load(url).await.kv_used_tokens == 0 {
             return true;
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
@@ -200,19 +119,12 @@ pub fn kv_stream(
     chunk: usize,
     dtype: KvDtype,
 ) -> (Vec<u8>, u32) {
-    let pool = pdserve_engine::KvPool::new(model.kv_layout(), 4096);
+    let pool = KvPool::new(model.kv_layout(), 4096);
     let mut kv = pool.allocate(p.len()).unwrap();
     let layout = model.kv_layout();
-    let header = KvHeader {
-        request_id: id.into(),
-        model_fingerprint: model.fingerprint(),
-        dtype: dtype.into(),
-        n_layers: layout.n_layers as u32,
-        n_kv_heads: layout.n_kv_heads as u32,
-        head_dim: layout.head_dim as u32,
-        n_tokens: p.len() as u32,
-        seed: 0,
-    };
+    let header = model
+        .kv_shape()
+        .header(id, p.len() as u32, 0, dtype.into());
     let mut out = kvwire::encode_header(&header).unwrap();
     let mut logits = Vec::new();
     for (c, tokens) in p.chunks(chunk).enumerate() {

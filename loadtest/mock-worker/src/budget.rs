@@ -5,7 +5,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use pdserve_protocol::internal::ErrorBody;
+use pdserve_protocol::internal::{ErrorBody, ErrorKind};
+use pdserve_protocol::kvwire::KvDtype;
+use pdserve_worker::decode::KvImport;
 
 /// Why a reservation was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -19,11 +21,11 @@ pub enum BudgetError {
 }
 
 impl BudgetError {
-    /// The metric label and wire `kind`, as the real decode worker names them.
-    pub fn kind(&self) -> &'static str {
+    /// The wire `kind`, as the real decode worker names it.
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            Self::Exhausted { .. } => "kv_exhausted",
-            Self::CapacityExceeded { .. } => "kv_capacity_exceeded",
+            Self::Exhausted { .. } => ErrorKind::KvExhausted,
+            Self::CapacityExceeded { .. } => ErrorKind::KvCapacityExceeded,
         }
     }
 }
@@ -96,6 +98,28 @@ pub struct Reservation {
     tokens: u64,
 }
 
+/// A mock keeps no KV: the worker layer has decoded and checked every
+/// frame (place, size, CRC) before handing it here, and the bytes are dropped.
+impl KvImport for Reservation {
+    fn import(
+        &mut self,
+        _layer: usize,
+        _dtype: KvDtype,
+        _start: usize,
+        _n: usize,
+        _k: &[u8],
+        _v: &[u8],
+    ) -> Result<(), ErrorBody> {
+        Ok(())
+    }
+
+    fn finish(&mut self, _n_tokens: usize) -> Result<(), ErrorBody> {
+        Ok(())
+    }
+
+    fn reset(&mut self) {}
+}
+
 impl Drop for Reservation {
     fn drop(&mut self) {
         self.budget.used.fetch_sub(self.tokens, Ordering::AcqRel);
@@ -135,7 +159,7 @@ mod tests {
     fn more_than_the_budget_is_fatal() {
         let budget = KvBudget::new(10);
         let err = budget.reserve(11).unwrap_err();
-        assert_eq!(err.kind(), "kv_capacity_exceeded");
+        assert_eq!(err.kind(), ErrorKind::KvCapacityExceeded);
         assert_eq!(
             ErrorBody::from(err).class,
             pdserve_protocol::internal::ErrorClass::Fatal

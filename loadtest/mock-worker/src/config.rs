@@ -6,9 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args as ClapArgs, Parser, ValueEnum};
 use pdserve_protocol::kvwire::KvDtype;
-use pdserve_runtime::registration::RegistrationArgs;
-use pdserve_runtime::shutdown::DrainArgs;
-use pdserve_runtime::telemetry::TelemetryArgs;
+use pdserve_worker::ServerArgs;
 
 use crate::latency::{read_profile, FitError, LatencyModel};
 
@@ -27,15 +25,9 @@ pub struct Args {
     /// The pool to serve in.
     #[arg(long, env = "PDSERVE_MOCK_POOL", value_enum)]
     pub pool: PoolKind,
-    /// Address to listen on.
-    #[arg(long, env = "PDSERVE_HOST", default_value = "127.0.0.1")]
-    pub host: String,
     /// Port to listen on (0 picks a free one).
     #[arg(long, env = "PDSERVE_MOCK_PORT", default_value_t = 0)]
     pub port: u16,
-    /// Base URL at which the router and peers reach this worker (default: http://HOST:PORT).
-    #[arg(long, env = "PDSERVE_PUBLIC_URL")]
-    pub public_url: Option<String>,
     /// GGUF file whose header gives the shape (layers, KV heads, head dim, vocabulary, context); its weights are never read.
     #[arg(long, env = "PDSERVE_MODEL")]
     pub model: PathBuf,
@@ -52,16 +44,12 @@ pub struct Args {
     #[arg(long, env = "PDSERVE_MAX_QUEUE", default_value_t = 256)]
     pub max_queue: usize,
     /// Prefill: KV element type on the wire, f32 or f16.
-    #[arg(long, env = "PDSERVE_KV_DTYPE", default_value = "f32", value_parser = parse_dtype)]
+    #[arg(long, env = "PDSERVE_KV_DTYPE", default_value = "f32")]
     pub kv_dtype: KvDtype,
     #[command(flatten)]
     pub latency: LatencyArgs,
     #[command(flatten)]
-    pub drain: DrainArgs,
-    #[command(flatten)]
-    pub registration: RegistrationArgs,
-    #[command(flatten)]
-    pub telemetry: TelemetryArgs,
+    pub server: ServerArgs,
 }
 
 /// The latency model's terms. Defaults: SmolLM2-135M q8_0 on 2 cores
@@ -119,10 +107,3 @@ impl LatencyArgs {
     }
 }
 
-fn parse_dtype(s: &str) -> Result<KvDtype, String> {
-    match s {
-        "f32" => Ok(KvDtype::F32),
-        "f16" => Ok(KvDtype::F16),
-        other => Err(format!("unknown KV dtype `{other}` (expected f32 or f16)")),
-    }
-}

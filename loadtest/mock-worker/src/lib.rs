@@ -1,30 +1,30 @@
 //! pdserve's mock engine worker: a prefill or decode worker that loads no
-//! weights but speaks the real internal protocol (generate streams, real KV
-//! frames of the right size, `/load`, `/metrics`, registration), taking the
-//! time a latency model gives. Router, autoscaler and scale tests run
-//! hundreds of them without the CPU cost of the model.
+//! weights. It is the worker layer's real HTTP side (`pdserve-worker`: the
+//! same routes, generate streams, KV ingest under leases, real KV frames of
+//! the right size, `/load`, `/metrics`, registration, drain) over a backend
+//! that takes the time a latency model gives instead of computing. Router,
+//! autoscaler and scale tests run hundreds of them without the model's CPU
+//! cost.
 
 pub mod budget;
 pub mod config;
 pub mod decode;
 pub mod latency;
-pub mod metrics;
 pub mod prefill;
-pub mod server;
 pub mod shape;
 pub mod tokens;
 
 use std::sync::Arc;
 
-use pdserve_engine::ModelConfig;
-use pdserve_protocol::internal::{LoadReport, Pool, WorkerRegistration};
-use pdserve_runtime::shutdown::Drain;
+use pdserve_protocol::internal::LoadReport;
+use pdserve_text::ModelConfig;
+use pdserve_worker::decode::{DecodeMetrics, DecodeServer};
+use pdserve_worker::prefill::{PrefillMetrics, PrefillServer};
+use pdserve_worker::{Readiness, Service};
 
 pub use config::{Args, PoolKind};
-use decode::batcher::BatcherConfig;
-use decode::DecodeState;
-use prefill::{EngineConfig, PrefillState};
-use server::Readiness;
+use decode::{BatcherConfig, MockDecode};
+use prefill::{EngineConfig, MockPrefill};
 use shape::MockShape;
 
 /// What `weights` a mock registers with: it has none.
@@ -34,7 +34,7 @@ pub const WEIGHTS: &str = "mock";
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
     #[error("reading the model's shape: {0}")]
-    Model(#[from] pdserve_engine::EngineError),
+    Model(#[from] pdserve_text::TextError),
     #[error(transparent)]
     Shape(#[from] shape::ShapeError),
     #[error("latency model: {0}")]
@@ -54,53 +54,58 @@ impl BuildError {
 /// A mock worker of either pool.
 #[derive(Clone)]
 pub enum Worker {
-    Decode(Arc<DecodeState>),
-    Prefill(Arc<PrefillState>),
+    Decode(Arc<DecodeServer<MockDecode>>),
+    Prefill(Arc<PrefillServer<MockPrefill>>),
 }
 
 /// Reads the shape from `--model`'s header and builds the worker (its
 /// batcher or engine task starts on the current tokio runtime). A decode
-/// worker names `public_url` in its KV ingest URLs.
+/// worker names `public_url` in its KV ingest URLs; both register with it.
 pub fn build(args: &Args, public_url: String) -> Result<Worker, BuildError> {
     let shape = MockShape::new(ModelConfig::from_gguf_file(&args.model)?)?;
     let latency = args.latency.model()?;
-    tracing::info!(
-        ?latency,
-        fingerprint = shape.fingerprint,
-        "the mock's model"
-    );
+    tracing::info!(?latency, fingerprint = shape.kv.fingerprint, "the mock's model");
     Ok(match args.pool {
         PoolKind::Decode => {
             let cfg = BatcherConfig {
                 max_batch: args.max_batch.max(1),
                 prefill_chunk_tokens: args.prefill_chunk_tokens,
                 queue_capacity: args.max_queue,
-                vocab: shape.vocab,
                 latency,
             };
-            Worker::Decode(DecodeState::new(
-                shape,
-                cfg,
-                args.kv_cache_tokens,
-                public_url,
-            ))
+            let metrics = Arc::new(DecodeMetrics::new());
+            let backend = MockDecode::spawn(shape, args.kv_cache_tokens, cfg, metrics.clone());
+            Worker::Decode(DecodeServer::new(backend, metrics, public_url))
         }
-        PoolKind::Prefill => Worker::Prefill(PrefillState::new(EngineConfig {
-            shape,
-            latency,
-            chunk_tokens: args.prefill_chunk_tokens,
-            queue_capacity: args.max_queue,
-            kv_dtype: args.kv_dtype,
-        })),
+        PoolKind::Prefill => {
+            let cfg = EngineConfig {
+                shape,
+                latency,
+                chunk_tokens: args.prefill_chunk_tokens,
+                queue_capacity: args.max_queue,
+                kv_dtype: args.kv_dtype,
+            };
+            let metrics = Arc::new(PrefillMetrics::new());
+            let backend = MockPrefill::spawn(cfg, metrics.clone());
+            Worker::Prefill(PrefillServer::new(backend, metrics))
+        }
     })
 }
 
 impl Worker {
-    /// The axum application: the real worker's routes.
+    /// The axum application: the worker layer's routes.
     pub fn app(&self) -> axum::Router {
         match self {
-            Self::Decode(s) => decode::routes(s.clone()),
-            Self::Prefill(s) => prefill::routes(s.clone()),
+            Self::Decode(s) => s.routes(),
+            Self::Prefill(s) => s.routes(),
+        }
+    }
+
+    /// The worker, ready to serve, registering at `url`.
+    pub fn service(&self, url: String) -> Service {
+        match self {
+            Self::Decode(s) => s.service(s.backend().shape().kv.fingerprint, WEIGHTS),
+            Self::Prefill(s) => s.service(url, s.backend().shape().kv.fingerprint, WEIGHTS),
         }
     }
 
@@ -119,34 +124,10 @@ impl Worker {
         }
     }
 
-    /// What the shared drain (`pdserve_runtime::shutdown::serve`) needs.
-    pub fn drain(&self, deadline: std::time::Duration) -> Drain {
-        let (stopping, counting) = (self.clone(), self.clone());
-        Drain {
-            stop_accepting: Box::new(move || stopping.readiness().stop()),
-            in_flight: Box::new(move || counting.in_flight()),
-            deadline,
-        }
-    }
-
     pub fn readiness(&self) -> &Readiness {
         match self {
-            Self::Decode(s) => &s.readiness,
-            Self::Prefill(s) => &s.readiness,
-        }
-    }
-
-    /// What to tell the router when registering at `url`.
-    pub fn registration(&self, url: String) -> WorkerRegistration {
-        let (pool, shape) = match self {
-            Self::Decode(s) => (Pool::Decode, &s.shape),
-            Self::Prefill(s) => (Pool::Prefill, &s.shape),
-        };
-        WorkerRegistration {
-            pool,
-            url,
-            model_fingerprint: shape.fingerprint,
-            weights: WEIGHTS.to_string(),
+            Self::Decode(s) => s.readiness(),
+            Self::Prefill(s) => s.readiness(),
         }
     }
 }

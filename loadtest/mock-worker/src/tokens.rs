@@ -3,20 +3,14 @@
 //! followed by a mock decode gives exactly the tokens of a mock local
 //! prefill. Ids fall in `[FIRST_ID, vocab)`, which skips the special tokens
 //! (end of text, chat markers) at the start of Llama-family vocabularies, so
-//! a sequence never stops early by accident.
+//! a sequence never stops early by accident. A greedy request's tokens do
+//! not depend on its seed.
+
+use pdserve_protocol::internal::SamplingSpec;
+use pdserve_text::Sampled;
 
 /// Smallest id generated.
 pub const FIRST_ID: u32 = 3;
-
-/// A generated token with plausible logprobs.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sampled {
-    pub token: u32,
-    /// In `[-3, -0.05]`.
-    pub logprob: f32,
-    /// `top_n` distinct alternatives, the token itself first, logprobs descending.
-    pub top_logprobs: Vec<(u32, f32)>,
-}
 
 /// SplitMix64: a good 64-bit mix of one integer.
 fn mix(mut z: u64) -> u64 {
@@ -26,8 +20,20 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The token a sequence sampled with `spec` gets at `position`. Greedy
+/// sampling (temperature 0) ignores the seed, as the real sampler does, so
+/// every greedy request for a prompt gets the same tokens.
+pub fn sample_for(spec: &SamplingSpec, vocab: u32, position: u64) -> Sampled {
+    let seed = match spec.temperature == 0.0 {
+        true => 0,
+        false => spec.seed,
+    };
+    sample(vocab, seed, position, spec.top_logprobs)
+}
+
 /// The token at `position` of a sequence seeded `seed`, for a vocabulary of
-/// `vocab` ids (more than [`FIRST_ID`]), with `top_n` alternatives.
+/// `vocab` ids (more than [`FIRST_ID`]), with `top_n` alternatives: the
+/// token itself first, logprobs descending, the logprob in `[-3, -0.05]`.
 pub fn sample(vocab: u32, seed: u64, position: u64, top_n: u32) -> Sampled {
     let span = u64::from(vocab.saturating_sub(FIRST_ID).max(1));
     let r = mix(seed ^ mix(position));

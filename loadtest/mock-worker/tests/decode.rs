@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use pdserve_protocol::internal::{ErrorBody, ErrorClass, FinishReason, GenerateEvent};
+use pdserve_protocol::internal::{ErrorBody, ErrorClass, ErrorKind, FinishReason, GenerateEvent};
 use serde_json::json;
 
 const FAST: &[&str] = &["--latency-scale", "0"];
@@ -18,7 +18,7 @@ async fn local_generation_gives_max_tokens_then_length() {
     let body = generate_body(
         "r1",
         5,
-        json!({"max_tokens": 7, "top_logprobs": 3, "seed": 9}),
+        json!({"max_tokens": 7, "top_logprobs": 3, "seed": 9, "temperature": 1}),
         local(),
     );
     let events = events(post(&d.url, "/v1/internal/generate", &body).await).await;
@@ -44,19 +44,18 @@ async fn local_generation_gives_max_tokens_then_length() {
         completion_tokens: 7,
     };
     assert_eq!(events.last(), Some(&finished));
-    // The same seed gives the same tokens; another seed others.
-    let again = events_of(
-        &d.url,
-        generate_body("r2", 5, json!({"max_tokens": 7, "seed": 9}), local()),
-    )
-    .await;
-    assert_eq!(token_ids(&again), ids);
-    let other = events_of(
-        &d.url,
-        generate_body("r3", 5, json!({"max_tokens": 7, "seed": 10}), local()),
-    )
-    .await;
-    assert_ne!(token_ids(&other), ids);
+    // The same seed gives the same tokens; another seed others; greedy
+    // sampling ignores the seed.
+    let run = |id: &str, sampling: serde_json::Value| {
+        let body = generate_body(id, 5, sampling, local());
+        let url = d.url.clone();
+        async move { token_ids(&events_of(&url, body).await) }
+    };
+    let seeded = |seed: u64| json!({"max_tokens": 7, "seed": seed, "temperature": 1});
+    assert_eq!(run("r2", seeded(9)).await, ids);
+    assert_ne!(run("r3", seeded(10)).await, ids);
+    let greedy = |seed: u64| json!({"max_tokens": 7, "seed": seed, "temperature": 0});
+    assert_eq!(run("r4", greedy(9)).await, run("r5", greedy(10)).await);
 }
 
 async fn events_of(url: &str, body: serde_json::Value) -> Vec<GenerateEvent> {
@@ -104,14 +103,13 @@ async fn a_full_kv_budget_is_a_retryable_503_and_a_disconnect_frees_it() {
     let d = spawn(&model, "decode", &slow).await;
     // 10 prompt + 80 new tokens: 90 of the 100 reserved for seconds.
     let body = generate_body("big", 10, json!({"max_tokens": 80}), local());
-    let mut first = post(&d.url, "/v1/internal/generate", &body).await;
-    let mut buf = Vec::new();
+    let mut first = Lines::new(post(&d.url, "/v1/internal/generate", &body).await);
     assert!(matches!(
-        next_event(&mut first, &mut buf).await,
+        first.next().await,
         Some(GenerateEvent::Reserved { .. })
     ));
     assert!(matches!(
-        next_event(&mut first, &mut buf).await,
+        first.next().await,
         Some(GenerateEvent::Token { .. })
     ));
     assert_eq!(load(&d.url).await.kv_used_tokens, 90);
@@ -125,8 +123,8 @@ async fn a_full_kv_budget_is_a_retryable_503_and_a_disconnect_frees_it() {
     assert_eq!(refused.headers()["retry-after"], "1");
     let err: ErrorBody = refused.json().await.unwrap();
     assert_eq!(
-        (err.class, err.kind.as_str()),
-        (ErrorClass::Retryable, "kv_exhausted")
+        (err.class, err.kind),
+        (ErrorClass::Retryable, ErrorKind::KvExhausted)
     );
     let too_big = post(
         &d.url,
@@ -157,9 +155,8 @@ async fn a_client_leaving_while_waiting_for_kv_frees_it_at_once() {
     let model = tiny_model();
     let d = spawn(&model, "decode", FAST).await;
     let body = generate_body("w", 10, json!({"max_tokens": 10}), remote(60_000));
-    let mut resp = post(&d.url, "/v1/internal/generate", &body).await;
-    let mut buf = Vec::new();
-    let reserved = next_event(&mut resp, &mut buf).await.unwrap();
+    let mut resp = Lines::new(post(&d.url, "/v1/internal/generate", &body).await);
+    let reserved = resp.next().await.unwrap();
     let want = format!("{}/v1/internal/kv/w", d.url);
     assert_eq!(reserved, GenerateEvent::Reserved { kv_url: Some(want) });
     assert_eq!(load(&d.url).await.kv_used_tokens, 20);
@@ -273,15 +270,16 @@ async fn draining_refuses_new_work_and_lets_running_work_finish() {
     let token = tokio_util::sync::CancellationToken::new();
     let flags = ["--step-fixed-ms", "10", "--step-ms-per-seq", "0"];
     let (d, served) = spawn_draining(&model, "decode", &flags, token.clone()).await;
-    let mut running = post(
-        &d.url,
-        "/v1/internal/generate",
-        &generate_body("run", 4, json!({"max_tokens": 30}), local()),
-    )
-    .await;
-    let mut buf = Vec::new();
+    let mut running = Lines::new(
+        post(
+            &d.url,
+            "/v1/internal/generate",
+            &generate_body("run", 4, json!({"max_tokens": 30}), local()),
+        )
+        .await,
+    );
     assert!(matches!(
-        next_event(&mut running, &mut buf).await,
+        running.next().await,
         Some(GenerateEvent::Reserved { .. })
     ));
     token.cancel();
@@ -300,9 +298,10 @@ async fn draining_refuses_new_work_and_lets_running_work_finish() {
     )
     .await;
     assert_eq!(refused.status(), 503);
-    assert_eq!(refused.json::<ErrorBody>().await.unwrap().kind, "not_ready");
+    let kind = refused.json::<ErrorBody>().await.unwrap().kind;
+    assert_eq!(kind, ErrorKind::NotReady);
     let mut tokens = 0;
-    while let Some(e) = next_event(&mut running, &mut buf).await {
+    while let Some(e) = running.next().await {
         tokens += matches!(e, GenerateEvent::Token { .. }) as usize;
     }
     assert_eq!(tokens, 30, "the running sequence finished");

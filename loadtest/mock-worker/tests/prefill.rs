@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::*;
 use pdserve_mock_worker::Worker;
 use pdserve_protocol::internal::{
-    ErrorBody, ErrorClass, FinishReason, GenerateEvent, PrefillResult,
+    ErrorBody, ErrorClass, ErrorKind, FinishReason, GenerateEvent, PrefillResult,
 };
 use pdserve_protocol::kvwire::{self, KvDtype, KvHeader};
 use serde_json::{json, Value};
@@ -40,22 +40,14 @@ fn tiny_header(id: &str, fingerprint: u64, n_tokens: u32) -> KvHeader {
 }
 
 /// Opens a remote generate stream; returns it and its KV URL.
-async fn reserve(decode: &str, body: &Value) -> (reqwest::Response, Vec<u8>, String) {
-    let mut resp = post(decode, "/v1/internal/generate", body).await;
+async fn reserve(decode: &str, body: &Value) -> (Lines, String) {
+    let resp = post(decode, "/v1/internal/generate", body).await;
     assert_eq!(resp.status(), 200);
-    let mut buf = Vec::new();
-    match next_event(&mut resp, &mut buf).await {
-        Some(GenerateEvent::Reserved { kv_url: Some(url) }) => (resp, buf, url),
+    let mut lines = Lines::new(resp);
+    match lines.next().await {
+        Some(GenerateEvent::Reserved { kv_url: Some(url) }) => (lines, url),
         other => panic!("{other:?}"),
     }
-}
-
-async fn rest(mut resp: reqwest::Response, mut buf: Vec<u8>) -> Vec<GenerateEvent> {
-    let mut out = Vec::new();
-    while let Some(e) = next_event(&mut resp, &mut buf).await {
-        out.push(e);
-    }
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -75,7 +67,7 @@ async fn prefill_streams_real_kv_that_the_decode_worker_accepts() {
         json!({"max_tokens": 6, "seed": 3, "top_logprobs": 2}),
         remote(30_000),
     );
-    let (resp, buf, kv_url) = reserve(&d.url, &body).await;
+    let (resp, kv_url) = reserve(&d.url, &body).await;
     let r = post(&p.url, "/v1/internal/prefill", &job("rt", &body, &kv_url)).await;
     assert_eq!(r.status(), 200);
     let result: PrefillResult = r.json().await.unwrap();
@@ -86,7 +78,7 @@ async fn prefill_streams_real_kv_that_the_decode_worker_accepts() {
         (result.request_id.as_str(), result.prompt_tokens),
         ("rt", 40)
     );
-    let streamed = rest(resp, buf).await;
+    let streamed = resp.all().await;
     let ids = token_ids(&streamed);
     assert_eq!(ids.len(), 6);
     assert_eq!(ids[0], result.first_token);
@@ -122,7 +114,7 @@ async fn the_decode_worker_refuses_kv_of_another_model() {
     let model = tiny_model();
     let d = spawn(&model, "decode", FAST).await;
     let body = generate_body("fp", 4, json!({}), remote(30_000));
-    let (_resp, _buf, kv_url) = reserve(&d.url, &body).await;
+    let (_resp, kv_url) = reserve(&d.url, &body).await;
     let header = tiny_header("fp", 42, 4);
     let client = reqwest::Client::new();
     let r = client
@@ -154,7 +146,7 @@ async fn long_prompts_take_longer_to_prefill() {
     )
     .await;
     let body = generate_body("long", 400, json!({"max_tokens": 1}), remote(30_000));
-    let (_resp, _buf, kv_url) = reserve(&d.url, &body).await;
+    let (_resp, kv_url) = reserve(&d.url, &body).await;
     let started = std::time::Instant::now();
     let result: PrefillResult = post(&p.url, "/v1/internal/prefill", &job("long", &body, &kv_url))
         .await
@@ -183,7 +175,7 @@ async fn a_full_queue_is_overloaded_and_a_delete_cancels() {
     let (mut jobs, mut streams) = (Vec::new(), Vec::new());
     for id in ["q0", "q1"] {
         let body = generate_body(id, 4, json!({}), remote(120_000));
-        let (resp, _buf, kv_url) = reserve(&d.url, &body).await;
+        let (resp, kv_url) = reserve(&d.url, &body).await;
         streams.push(resp);
         let (p_url, job) = (p.url.clone(), job(id, &body, &kv_url));
         jobs.push(tokio::spawn(async move {
@@ -198,10 +190,10 @@ async fn a_full_queue_is_overloaded_and_a_delete_cancels() {
         .await;
     }
     let body = generate_body("q2", 4, json!({}), remote(120_000));
-    let (_resp, _buf, kv_url) = reserve(&d.url, &body).await;
+    let (_resp, kv_url) = reserve(&d.url, &body).await;
     let r = post(&p.url, "/v1/internal/prefill", &job("q2", &body, &kv_url)).await;
     assert_eq!(r.status(), 503);
-    assert_eq!(r.json::<ErrorBody>().await.unwrap().kind, "overloaded");
+    assert_eq!(r.json::<ErrorBody>().await.unwrap().kind, ErrorKind::Overloaded);
     let client = reqwest::Client::new();
     for (id, job) in ["q0", "q1"].into_iter().zip(jobs) {
         let del = client
@@ -212,7 +204,7 @@ async fn a_full_queue_is_overloaded_and_a_delete_cancels() {
         assert_eq!(del.status(), 200);
         let r = job.await.unwrap();
         assert_eq!(r.status(), 400);
-        assert_eq!(r.json::<ErrorBody>().await.unwrap().kind, "cancelled");
+        assert_eq!(r.json::<ErrorBody>().await.unwrap().kind, ErrorKind::Cancelled);
     }
     let gone = client
         .delete(format!("{}/v1/internal/prefill/q0", p.url))
@@ -231,8 +223,8 @@ async fn a_lease_that_ends_during_a_failed_ingest_still_releases_the_kv() {
     let model = tiny_model();
     let d = spawn(&model, "decode", FAST).await;
     let body = generate_body("late", 4, json!({}), remote(200));
-    let (resp, buf, kv_url) = reserve(&d.url, &body).await;
-    let fingerprint = d.worker.registration(String::new()).model_fingerprint;
+    let (resp, kv_url) = reserve(&d.url, &body).await;
+    let fingerprint = d.worker.service(String::new()).registration.model_fingerprint;
     let header = tiny_header("late", fingerprint, 4);
     // A prefill worker sends the header, stalls past the lease, then dies.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
@@ -246,12 +238,12 @@ async fn a_lease_that_ends_during_a_failed_ingest_still_releases_the_kv() {
         .send();
     let upload = tokio::spawn(upload);
     // The ingest has taken the reservation out of the waiting map.
-    let Worker::Decode(state) = &d.worker else {
+    let Worker::Decode(server) = &d.worker else {
         unreachable!()
     };
-    let state = state.clone();
+    let server = server.clone();
     wait_until(Duration::from_secs(5), || {
-        std::future::ready(state.pending().is_empty())
+        std::future::ready(server.waiting_for_kv() == 0)
     })
     .await;
     assert_eq!(load(&d.url).await.kv_used_tokens, 12);
@@ -260,9 +252,9 @@ async fn a_lease_that_ends_during_a_failed_ingest_still_releases_the_kv() {
     drop(tx);
     let refused = upload.await.unwrap().unwrap();
     assert_eq!(refused.status(), 503, "a truncated stream is retryable");
-    let events = tokio::time::timeout(Duration::from_secs(10), rest(resp, buf)).await;
+    let events = tokio::time::timeout(Duration::from_secs(10), resp.all()).await;
     match events.expect("the stream ends").last() {
-        Some(GenerateEvent::Error(e)) => assert_eq!(e.kind, "kv_lease_expired"),
+        Some(GenerateEvent::Error(e)) => assert_eq!(e.kind, ErrorKind::KvLeaseExpired),
         other => panic!("the stream must end with the expired lease: {other:?}"),
     }
     assert_eq!(load(&d.url).await.kv_used_tokens, 0);

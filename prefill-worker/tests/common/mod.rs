@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -13,34 +13,34 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use bytes::Bytes;
 use futures_util::StreamExt;
-use pdserve_engine::testing::{write_tiny_gguf, TinyModelSpec};
 use pdserve_engine::KvDtype;
 use pdserve_engine::{LoadOptions, Model, WeightFormat};
-use pdserve_prefill::engine::{Computed, EngineConfig, Task};
+use pdserve_prefill::EngineConfig;
 use pdserve_protocol::internal::{ErrorBody, PrefillJob, SamplingSpec};
+use pdserve_testkit::tiny::{TinyModel, TinyModelSpec};
+use pdserve_worker::prefill::{Computed, PrefillTask as Task};
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 /// The tiny model written to a temporary directory (kept alive by the guard).
 pub struct Tiny {
     pub path: PathBuf,
     pub model: Arc<Model>,
-    _dir: tempfile::TempDir,
+    _file: TinyModel,
 }
 
 pub fn tiny(spec: &TinyModelSpec) -> Tiny {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    write_tiny_gguf(&path, spec).unwrap();
+    let file = TinyModel::with(spec);
     let opts = LoadOptions {
         weights: WeightFormat::Q8_0,
         ..Default::default()
     };
-    let model = Arc::new(Model::load(&path, &opts).unwrap());
+    let model = Arc::new(Model::load(&file.path, &opts).unwrap());
     Tiny {
-        path,
+        path: file.path.clone(),
         model,
-        _dir: dir,
+        _file: file,
     }
 }
 

@@ -6,9 +6,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use pdserve_engine::detok::{IncrementalDecoder, TokenBytes};
-use pdserve_engine::stop::{StopMatcher, StopOutput};
-use pdserve_engine::Tokenizer;
+use pdserve_text::detok::{IncrementalDecoder, TokenBytes};
+use pdserve_text::stop::{StopMatcher, StopOutput};
+use pdserve_text::Tokenizer;
 use pdserve_protocol::internal::FinishReason;
 
 use crate::dispatch::{SeqEvent, Sequence};

@@ -1,7 +1,7 @@
 //! The OpenAI object shapes, per endpoint: chunks of a stream and the
 //! final object of a non-streaming response.
 
-use pdserve_engine::Tokenizer;
+use pdserve_text::Tokenizer;
 use pdserve_protocol::openai::{
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, Completion,
     CompletionChoice, CompletionLogprobs, Delta, ResponseMessage, TokenLogprob, TopLogprob, Usage,

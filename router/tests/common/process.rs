@@ -1,4 +1,5 @@
 //! The router binary with its local supervisor, as a child process of a test.
+#![allow(unused_imports)]
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -6,35 +7,13 @@ use std::time::Duration;
 
 use super::wait_until;
 
-pub fn in_ci() -> bool {
-    std::env::var_os("CI").is_some()
-}
+pub use pdserve_testkit::process::{children_of, free_port, in_ci, workspace_binary};
 
 /// The worker binaries sit next to the router's when the workspace is built.
 pub fn workers_built() -> bool {
-    let dir = Path::new(env!("CARGO_BIN_EXE_pdserve-router"))
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    let ok = ["pdserve-prefill", "pdserve-decode"]
+    ["pdserve-prefill", "pdserve-decode"]
         .iter()
-        .all(|b| dir.join(b).exists());
-    assert!(
-        ok || !in_ci(),
-        "the worker binaries are missing next to pdserve-router"
-    );
-    if !ok {
-        eprintln!("skipped: build the workspace first (cargo test --release --workspace)");
-    }
-    ok
-}
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+        .all(|b| workspace_binary(b).is_some())
 }
 
 pub struct Router {
@@ -101,24 +80,4 @@ impl Drop for Router {
                 .status();
         }
     }
-}
-
-/// Live child processes of `parent`, from /proc.
-pub fn children_of(parent: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // pid (comm) state ppid ...: comm may contain spaces, so split after ')'.
-        let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        if fields.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(parent) && fields[0] != "Z" {
-            out.push(pid);
-        }
-    }
-    out
 }

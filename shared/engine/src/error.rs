@@ -1,5 +1,7 @@
 //! The engine's error type: one enum for everything the engine can report.
 
+use pdserve_protocol::internal::{ErrorBody, ErrorClass, ErrorKind};
+
 use crate::kv::KvError;
 
 /// Errors raised by model loading, the forward pass, tokenization and templating.
@@ -24,12 +26,9 @@ pub enum EngineError {
     /// The KV cache refused an operation (budget exhausted, capacity exceeded, bad import).
     #[error(transparent)]
     Kv(#[from] KvError),
-    /// Tokenization or detokenization failed.
-    #[error("tokenizer error: {0}")]
-    Tokenizer(String),
-    /// The chat template could not be compiled or rendered for these messages.
-    #[error("chat template error: {0}")]
-    ChatTemplate(String),
+    /// Reading the model's metadata, tokenizing or templating failed.
+    #[error(transparent)]
+    Text(#[from] pdserve_text::TextError),
     /// The caller passed something the engine cannot process (empty prompt, bad token id, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),
@@ -40,6 +39,15 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// The error as it crosses the wire, with `class`.
+    pub fn to_wire(&self, class: ErrorClass) -> ErrorBody {
+        ErrorBody {
+            class,
+            kind: ErrorKind::from_name(self.kind()),
+            message: self.to_string(),
+        }
+    }
+
     /// A short stable name, for metric labels and error codes.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -48,8 +56,7 @@ impl EngineError {
             Self::Unsupported(_) => "unsupported_model",
             Self::Candle(_) => "tensor",
             Self::Kv(e) => e.kind(),
-            Self::Tokenizer(_) => "tokenizer",
-            Self::ChatTemplate(_) => "chat_template",
+            Self::Text(e) => e.kind(),
             Self::InvalidInput(_) => "invalid_input",
             Self::Interrupted { .. } => "interrupted",
         }

@@ -7,30 +7,9 @@
 
 use candle_core::quantized::gguf_file::{Content, Value};
 
+use pdserve_text::hash::Fnv64;
+
 use crate::weights::WeightFormat;
-
-/// FNV-1a, 64-bit.
-#[derive(Debug, Clone, Copy)]
-pub struct Fnv64(u64);
-
-impl Default for Fnv64 {
-    fn default() -> Self {
-        Self(0xcbf2_9ce4_8422_2325)
-    }
-}
-
-impl Fnv64 {
-    pub fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 ^= *b as u64;
-            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-
-    pub fn finish(&self) -> u64 {
-        self.0
-    }
-}
 
 pub(crate) fn of_content(content: &Content, format: WeightFormat) -> u64 {
     let mut h = Fnv64::default();

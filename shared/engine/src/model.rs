@@ -15,7 +15,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
 use crate::attention::{attention, rms_norm, swiglu, Heads, Rope, SeqView};
-use crate::config::ModelConfig;
+use pdserve_text::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kv::{KvLayout, SeqKv};
 use crate::profile::{Stage, StageClock};
@@ -146,7 +146,8 @@ impl Model {
         let mut reader = BufReader::new(File::open(path).map_err(io)?);
         let content = Content::read(&mut reader)
             .map_err(|e| EngineError::InvalidModel(format!("{}: {e}", path.display())))?;
-        let cfg = ModelConfig::from_gguf(&content)?;
+        // The hyper-parameters come from the same header, read without candle.
+        let cfg = ModelConfig::from_gguf_file(path)?;
         let fingerprint = crate::fingerprint::of_content(&content, opts.weights);
         let mut ld = Loader {
             content: &content,

@@ -5,7 +5,7 @@ mod common;
 use std::ops::ControlFlow;
 
 use common::*;
-use pdserve_engine::testing::TinyModelSpec;
+use pdserve_testkit::tiny::TinyModelSpec;
 use pdserve_engine::{
     every_layer, ChatMessage, EngineError, KvDtype, KvError, KvPool, Model, Segment, Tokenizer,
     WeightFormat,

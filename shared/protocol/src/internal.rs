@@ -9,6 +9,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::error::{ErrorBody, ErrorClass, ErrorKind};
+
 /// Version of this API; sent in the `x-pdserve-api` header.
 pub const API_VERSION: u32 = 1;
 /// Header that carries the request id through every process.
@@ -132,44 +134,6 @@ pub struct PrefillResult {
     pub transfer_bytes: u64,
 }
 
-/// Whether the same request may succeed if sent again (elsewhere or later).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ErrorClass {
-    /// Capacity, a lost peer, a deadline: retry on another worker.
-    Retryable,
-    /// The request itself is at fault: retrying cannot help.
-    Fatal,
-}
-
-/// An error that crosses the wire. Retries branch on `class`, metrics on `kind`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
-#[error("{kind}: {message}")]
-pub struct ErrorBody {
-    pub class: ErrorClass,
-    /// A stable snake_case name, e.g. `kv_exhausted`.
-    pub kind: String,
-    pub message: String,
-}
-
-impl ErrorBody {
-    pub fn retryable(kind: &str, message: impl Into<String>) -> Self {
-        Self {
-            class: ErrorClass::Retryable,
-            kind: kind.to_string(),
-            message: message.into(),
-        }
-    }
-
-    pub fn fatal(kind: &str, message: impl Into<String>) -> Self {
-        Self {
-            class: ErrorClass::Fatal,
-            kind: kind.to_string(),
-            message: message.into(),
-        }
-    }
-}
-
 /// `GET /load`: what the router balances and scales on.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct LoadReport {
@@ -228,7 +192,7 @@ pub fn validate_request_id(id: &str) -> Result<(), ErrorBody> {
     match ok {
         true => Ok(()),
         false => Err(ErrorBody::fatal(
-            "invalid_request_id",
+            ErrorKind::InvalidRequestId,
             format!("request id must be 1..={MAX_REQUEST_ID_LEN} printable ASCII characters"),
         )),
     }
@@ -249,7 +213,7 @@ mod tests {
             serde_json::to_string(&e).unwrap(),
             r#"{"event":"token","id":5,"logprob":-0.5}"#
         );
-        let e = GenerateEvent::Error(ErrorBody::retryable("kv_exhausted", "full"));
+        let e = GenerateEvent::Error(ErrorBody::retryable(ErrorKind::KvExhausted, "full"));
         let json = serde_json::to_string(&e).unwrap();
         assert_eq!(
             json,

@@ -35,12 +35,14 @@ mod decode;
 mod encode;
 mod error;
 mod frame;
+mod shape;
 mod types;
 mod validate;
 
 pub use decode::KvStreamDecoder;
 pub use encode::{encode_end, encode_header, encode_layer_parts, encode_layers};
 pub use error::KvWireError;
+pub use shape::KvShape;
 pub use types::{ExpectedKv, KvDtype, KvEvent, KvHeader, KvLimits, KvTrailer, LayerFrame};
 pub use validate::validate_against;
 

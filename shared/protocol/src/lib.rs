@@ -15,6 +15,7 @@
     )
 )]
 
+pub mod error;
 pub mod internal;
 pub mod kvwire;
 pub mod openai;

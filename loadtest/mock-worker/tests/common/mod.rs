@@ -1,19 +1,20 @@
 //! Mock workers on loopback, each a real HTTP server built by the production
 //! `build` and bound to 127.0.0.1:0, over a tiny GGUF written at test time.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
-use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::Parser;
-use pdserve_engine::testing::{write_tiny_gguf, TinyModelSpec};
 use pdserve_mock_worker::{build, Args, Worker};
-use pdserve_protocol::internal::{GenerateEvent, LoadReport};
-use pdserve_runtime::shutdown;
+use pdserve_runtime::shutdown::{self, Drain};
+use pdserve_testkit::tiny::TinyModel;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+
+pub use pdserve_testkit::http::{fetch_metric as metric, load, post, wait_until};
+pub use pdserve_testkit::ndjson::{events, token_ids, Lines};
 
 /// The tiny model's shape: 2 layers, 2 KV heads of dim 16, 266 tokens.
 pub const LAYERS: u64 = 2;
@@ -21,16 +22,10 @@ pub const KV_HEADS: u64 = 2;
 pub const HEAD_DIM: u64 = 16;
 pub const VOCAB: u32 = 266;
 
-pub struct Model {
-    pub path: PathBuf,
-    _dir: tempfile::TempDir,
-}
+pub type Model = TinyModel;
 
 pub fn tiny_model() -> Model {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    write_tiny_gguf(&path, &TinyModelSpec::default()).unwrap();
-    Model { path, _dir: dir }
+    TinyModel::new()
 }
 
 pub struct Mock {
@@ -55,19 +50,20 @@ pub async fn spawn_draining(
     token: CancellationToken,
 ) -> (Mock, JoinHandle<std::io::Result<()>>) {
     let (listener, mock) = build_mock(model, pool, extra).await;
-    let (app, drain) = (
-        mock.worker.app(),
-        mock.worker.drain(Duration::from_secs(30)),
-    );
-    let served = tokio::spawn(shutdown::serve(listener, app, token, drain));
+    let service = mock.worker.service(mock.url.clone());
+    let drain = Drain {
+        stop_accepting: service.stop_accepting,
+        in_flight: service.in_flight,
+        deadline: Duration::from_secs(30),
+    };
+    let served = tokio::spawn(shutdown::serve(listener, service.app, token, drain));
     (mock, served)
 }
 
 async fn build_mock(model: &Model, pool: &str, extra: &[&str]) -> (TcpListener, Mock) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let path = model.path.to_str().unwrap();
-    let mut argv = vec!["mock", "--pool", pool, "--model", path];
+    let mut argv = vec!["mock", "--pool", pool, "--model", model.arg()];
     argv.extend_from_slice(extra);
     let worker = build(&Args::parse_from(argv), url.clone()).unwrap();
     (listener, Mock { url, worker })
@@ -89,86 +85,6 @@ pub fn local() -> Value {
 
 pub fn remote(lease_ms: u64) -> Value {
     json!({"kind": "remote", "lease_ms": lease_ms})
-}
-
-pub async fn post(url: &str, path: &str, body: &Value) -> reqwest::Response {
-    reqwest::Client::new()
-        .post(format!("{url}{path}"))
-        .json(body)
-        .send()
-        .await
-        .unwrap()
-}
-
-/// Reads a whole generate stream.
-pub async fn events(resp: reqwest::Response) -> Vec<GenerateEvent> {
-    assert_eq!(resp.status(), 200);
-    let text = resp.text().await.unwrap();
-    text.lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-/// Reads the next event of a generate stream, buffering partial lines.
-pub async fn next_event(resp: &mut reqwest::Response, buf: &mut Vec<u8>) -> Option<GenerateEvent> {
-    loop {
-        if let Some(i) = buf.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = buf.drain(..=i).collect();
-            return Some(serde_json::from_slice(&line).unwrap());
-        }
-        buf.extend_from_slice(&resp.chunk().await.unwrap()?);
-    }
-}
-
-pub fn token_ids(events: &[GenerateEvent]) -> Vec<u32> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            GenerateEvent::Token { id, .. } => Some(*id),
-            _ => None,
-        })
-        .collect()
-}
-
-pub async fn load(url: &str) -> LoadReport {
-    reqwest::get(format!("{url}/load"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
-/// The value of the series `series` (name and labels, exactly as rendered).
-pub async fn metric(url: &str, series: &str) -> f64 {
-    let text = reqwest::get(format!("{url}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let prefix = format!("{series} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .unwrap_or_else(|| panic!("no series {series} in:\n{text}"))
-        .parse()
-        .unwrap()
-}
-
-/// Polls `f` until it is true; panics after `within`.
-pub async fn wait_until<F, Fut>(within: Duration, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let until = Instant::now() + within;
-    while !f().await {
-        assert!(
-            Instant::now() < until,
-            "condition not met within {within:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// Bytes of a KV stream of `n` tokens in f32, one chunk, with `n_top` top

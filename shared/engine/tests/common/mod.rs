@@ -4,29 +4,11 @@
 use std::path::PathBuf;
 
 use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
-use pdserve_engine::testing::{write_tiny_gguf, TinyModelSpec};
+use pdserve_testkit::tiny::{write_tiny_gguf, TinyModelSpec};
 use pdserve_engine::{KvPool, LoadOptions, Model, SeqKv, WeightFormat};
 
-pub const REAL_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// The real model, when its file is present: `$PDSERVE_MODEL`, else
-/// `$PDSERVE_MODEL_DIR/<file>`, else `models/<file>` at the workspace root.
-pub fn real_model() -> Option<PathBuf> {
-    let candidates = [
-        std::env::var_os("PDSERVE_MODEL").map(PathBuf::from),
-        std::env::var_os("PDSERVE_MODEL_DIR").map(|d| PathBuf::from(d).join(REAL_MODEL_FILE)),
-        Some(
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models")
-                .join(REAL_MODEL_FILE),
-        ),
-    ];
-    let found = candidates.into_iter().flatten().find(|p| p.is_file());
-    if found.is_none() {
-        eprintln!("real model not found: skipping (run deploy/local/fetch-model.sh)");
-    }
-    found
-}
+#[allow(unused_imports)]
+pub use pdserve_testkit::real_model;
 
 /// Writes the tiny random model into a fresh temp dir; keep the dir alive.
 pub fn tiny_model(spec: &TinyModelSpec) -> (tempfile::TempDir, PathBuf) {

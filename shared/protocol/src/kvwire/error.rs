@@ -119,6 +119,11 @@ impl KvWireError {
         }
     }
 
+    /// The kind as it crosses the wire in an `ErrorBody`.
+    pub fn error_kind(&self) -> crate::error::ErrorKind {
+        crate::error::ErrorKind::from_name(self.kind())
+    }
+
     /// Shorthand for [`KvWireError::InvalidField`].
     pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
         Self::InvalidField {
@@ -143,8 +148,8 @@ impl KvWireError {
 impl From<KvWireError> for crate::internal::ErrorBody {
     fn from(e: KvWireError) -> Self {
         match e {
-            KvWireError::Truncated => Self::retryable(e.kind(), e.to_string()),
-            _ => Self::fatal(e.kind(), e.to_string()),
+            KvWireError::Truncated => Self::retryable(e.error_kind(), e.to_string()),
+            _ => Self::fatal(e.error_kind(), e.to_string()),
         }
     }
 }

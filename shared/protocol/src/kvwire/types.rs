@@ -41,6 +41,19 @@ impl KvDtype {
     }
 }
 
+/// `f32` or `f16`, as flags and configuration name them.
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "f16" => Ok(Self::F16),
+            other => Err(format!("unknown KV dtype `{other}` (expected f32 or f16)")),
+        }
+    }
+}
+
 /// The header frame: what the stream carries and for which request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvHeader {

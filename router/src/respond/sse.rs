@@ -1,0 +1,179 @@
+//! Streaming responses: SSE chunks as tokens arrive, ending with
+//! `data: [DONE]`. An error after the first chunk becomes a final
+//! `data: {"error": …}` event.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+
+use axum::body::Body;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::stream::{self, select_all, BoxStream, StreamExt};
+use pdserve_protocol::openai::{Delta, Usage};
+use serde_json::Value;
+
+use super::choice::{Choice, Update};
+use super::render::Format;
+use super::{prompt_usage, Ctx};
+use crate::error::ApiError;
+use crate::frontend::Prepared;
+use crate::params::LogprobMode;
+
+type Updates = BoxStream<'static, Result<Update, ApiError>>;
+
+fn updates(c: Choice) -> Updates {
+    stream::unfold(c, |mut c| async move { c.next().await.map(|u| (u, c)) }).boxed()
+}
+
+/// Streams SSE chunks. Waits for the first update so that a failure before
+/// any token is still a plain HTTP error.
+pub(super) async fn stream(ctx: Ctx, prepared: &Prepared, choices: Vec<Choice>) -> Response {
+    let mut merged = select_all(choices.into_iter().map(updates));
+    let first = match merged.next().await {
+        Some(Ok(u)) => u,
+        Some(Err(e)) => return ctx.request.refuse(e),
+        None => return ctx.request.refuse(ApiError::Internal("no choices".into())),
+    };
+    let n = prepared.params.n as usize;
+    let echoes: Vec<Option<String>> = (0..prepared.prompts.len() * n)
+        .map(|i| prepared.prompts.get(i / n).and_then(|p| p.echo.clone()))
+        .collect();
+    let writer = SseWriter {
+        started: vec![false; echoes.len()],
+        offsets: vec![0; echoes.len()],
+        echoes,
+        usage: Usage::new(prompt_usage(prepared), 0),
+        ttft: false,
+        ctx,
+    };
+    let events: Pin<Box<dyn futures_util::Stream<Item = Result<Update, ApiError>> + Send>> =
+        Box::pin(stream::once(async { Ok(first) }).chain(merged));
+    let body = stream::unfold((events, Some(writer)), |(mut events, writer)| async move {
+        let mut w = writer?;
+        match events.next().await {
+            Some(Ok(u)) => Some((w.on_update(u), (events, Some(w)))),
+            Some(Err(e)) => Some((w.on_error(e), (events, None))),
+            None => Some((w.end(), (events, None))),
+        }
+    })
+    .map(Ok::<Bytes, Infallible>);
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| ApiError::Internal("response".into()).into_response())
+}
+
+struct SseWriter {
+    ctx: Ctx,
+    started: Vec<bool>,
+    offsets: Vec<u32>,
+    echoes: Vec<Option<String>>,
+    usage: Usage,
+    ttft: bool,
+}
+
+fn sse(value: &Value, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(value.to_string().as_bytes());
+    out.extend_from_slice(b"\n\n");
+}
+
+impl SseWriter {
+    /// The role chunk (chat) or echoed prompt (completions) opening a choice.
+    fn open(&mut self, index: u32, out: &mut Vec<u8>) {
+        let i = index as usize;
+        if self.started.get(i).copied().unwrap_or(true) {
+            return;
+        }
+        self.started[i] = true;
+        let h = &self.ctx.header;
+        let delta = match h.format {
+            Format::Chat => Delta {
+                role: Some("assistant".into()),
+                content: Some(String::new()),
+            },
+            Format::Completion => match self.echoes[i].take() {
+                Some(echo) => Delta {
+                    role: None,
+                    content: Some(echo),
+                },
+                None => return,
+            },
+        };
+        self.offsets[i] += delta.content.as_ref().map_or(0, |c| c.len() as u32);
+        sse(
+            &h.chunk(&self.ctx.tokenizer, index, delta, &[], None, 0),
+            out,
+        );
+    }
+
+    fn on_update(&mut self, u: Update) -> Bytes {
+        let mut out = Vec::new();
+        let (index, text, tokens, finish) = match u {
+            Update::Token { index, text, token } => {
+                if !std::mem::replace(&mut self.ttft, true) {
+                    self.ctx.request.observe_ttft();
+                }
+                (index, text, vec![token], None)
+            }
+            Update::Finish {
+                index,
+                text,
+                reason,
+                completion_tokens,
+            } => {
+                self.usage = Usage::new(
+                    self.usage.prompt_tokens,
+                    self.usage.completion_tokens + completion_tokens,
+                );
+                (index, text, vec![], Some(reason))
+            }
+        };
+        self.open(index, &mut out);
+        let wants_logprobs = !matches!(self.ctx.header.logprobs, LogprobMode::None);
+        if text.is_empty() && finish.is_none() && !wants_logprobs {
+            return Bytes::from(out);
+        }
+        let i = index as usize;
+        let offset = self.offsets.get(i).copied().unwrap_or(0);
+        if let Some(o) = self.offsets.get_mut(i) {
+            *o += text.len() as u32;
+        }
+        let delta = Delta {
+            role: None,
+            content: (!text.is_empty() || self.ctx.header.format == Format::Completion)
+                .then_some(text),
+        };
+        let chunk =
+            self.ctx
+                .header
+                .chunk(&self.ctx.tokenizer, index, delta, &tokens, finish, offset);
+        sse(&chunk, &mut out);
+        Bytes::from(out)
+    }
+
+    fn on_error(&mut self, e: ApiError) -> Bytes {
+        tracing::warn!(request_id = %self.ctx.header.id, "stream failed: {e}");
+        self.ctx.request.fail(&e);
+        let mut out = Vec::new();
+        sse(
+            &serde_json::to_value(e.body()).unwrap_or(Value::Null),
+            &mut out,
+        );
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        Bytes::from(out)
+    }
+
+    fn end(&mut self) -> Bytes {
+        let mut out = Vec::new();
+        if self.ctx.header.include_usage {
+            sse(&self.ctx.header.usage_chunk(self.usage), &mut out);
+        }
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        self.ctx.request.count_tokens(self.usage);
+        self.ctx.request.succeed();
+        Bytes::from(out)
+    }
+}

@@ -1,0 +1,189 @@
+//! Sampling parameters, their validation, and what sampling one token
+//! produces. The sampler itself runs in the engine; the router validates
+//! requests with these types without linking it.
+
+use std::collections::HashMap;
+
+use pdserve_protocol::internal::SamplingSpec;
+
+/// Maximum number of `top_logprobs` entries returned per token.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Per-request sampling configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature in `[0, 100]`; `0.0` means greedy decoding.
+    pub temperature: f32,
+    /// Keep only the `k` most likely tokens; `None` disables top-k.
+    pub top_k: Option<usize>,
+    /// Nucleus mass in `(0, 1]`; `1.0` disables top-p.
+    pub top_p: f32,
+    /// Drop tokens whose probability is below `min_p * max_prob`; `0.0` disables it.
+    pub min_p: f32,
+    /// Subtracted once from the logit of every token already generated, in `[-2, 2]`.
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence from the logit of generated tokens, in `[-2, 2]`.
+    pub frequency_penalty: f32,
+    /// Seed of the counter-based random draw.
+    pub seed: u64,
+    /// Number of most likely alternatives to report (capped at [`MAX_TOP_LOGPROBS`]).
+    pub top_logprobs: usize,
+}
+
+impl Default for SamplingParams {
+    /// The wire defaults ([`SamplingSpec::default`]): temperature 1, no truncation.
+    fn default() -> Self {
+        Self::from(&SamplingSpec::default())
+    }
+}
+
+impl SamplingParams {
+    /// Checks every parameter against its allowed range.
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        let t = self.temperature;
+        if !(t.is_finite() && (0.0..=100.0).contains(&t)) {
+            return Err(SamplingError::InvalidTemperature(t));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(SamplingError::InvalidTopP(self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(SamplingError::InvalidMinP(self.min_p));
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return Err(SamplingError::InvalidPresencePenalty(self.presence_penalty));
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return Err(SamplingError::InvalidFrequencyPenalty(
+                self.frequency_penalty,
+            ));
+        }
+        if self.top_k == Some(0) {
+            return Err(SamplingError::InvalidTopK(0));
+        }
+        Ok(())
+    }
+
+    /// True when the temperature selects greedy (argmax) decoding: it is
+    /// `0.0`, or so small (subnormal) that `1 / temperature` overflows.
+    pub fn is_greedy(&self) -> bool {
+        !(1.0 / self.temperature).is_finite()
+    }
+}
+
+/// Errors reported by [`SamplingParams::validate`] and [`sample`].
+#[derive(thiserror::Error, Debug, Clone, PartialEq)]
+pub enum SamplingError {
+    /// Temperature outside `[0, 100]` or not finite.
+    #[error("temperature must be a finite number in [0, 100], got {0}")]
+    InvalidTemperature(f32),
+    /// `top_p` outside `(0, 1]`.
+    #[error("top_p must be in (0, 1], got {0}")]
+    InvalidTopP(f32),
+    /// `min_p` outside `[0, 1]`.
+    #[error("min_p must be in [0, 1], got {0}")]
+    InvalidMinP(f32),
+    /// `presence_penalty` outside `[-2, 2]`.
+    #[error("presence_penalty must be in [-2, 2], got {0}")]
+    InvalidPresencePenalty(f32),
+    /// `frequency_penalty` outside `[-2, 2]`.
+    #[error("frequency_penalty must be in [-2, 2], got {0}")]
+    InvalidFrequencyPenalty(f32),
+    /// `top_k` set to a value below 1.
+    #[error("top_k must be at least 1 when set, got {0}")]
+    InvalidTopK(usize),
+    /// The logits vector is empty or holds no finite value.
+    #[error("logits vector of length {len} has no finite value to sample from")]
+    NoFiniteLogits {
+        /// Length of the rejected logits vector.
+        len: usize,
+    },
+    /// The logits vector is longer than the `u32` token id space.
+    #[error("logits vector of length {len} exceeds the u32 token id range")]
+    VocabTooLarge {
+        /// Length of the rejected logits vector.
+        len: usize,
+    },
+}
+
+/// Counts of tokens generated so far, used for presence/frequency penalties.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TokenCounts {
+    counts: HashMap<u32, u32>,
+}
+
+impl TokenCounts {
+    /// Creates an empty set of counts.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records one more occurrence of `token`.
+    pub fn add(&mut self, token: u32) {
+        let count = self.counts.entry(token).or_insert(0);
+        *count = count.saturating_add(1);
+    }
+
+    /// Number of recorded occurrences of `token`.
+    pub fn get(&self, token: u32) -> u32 {
+        self.counts.get(&token).copied().unwrap_or(0)
+    }
+
+    /// Iterates over `(token, count)` pairs in unspecified order.
+    pub fn iter(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        self.counts.iter().map(|(&token, &count)| (token, count))
+    }
+
+    /// Number of distinct tokens recorded.
+    pub fn len(&self) -> usize {
+        self.counts.len()
+    }
+
+    /// True when no token has been recorded.
+    pub fn is_empty(&self) -> bool {
+        self.counts.is_empty()
+    }
+
+    /// Forgets every recorded token.
+    pub fn clear(&mut self) {
+        self.counts.clear();
+    }
+}
+
+impl FromIterator<u32> for TokenCounts {
+    fn from_iter<I: IntoIterator<Item = u32>>(iter: I) -> Self {
+        let mut counts = Self::new();
+        for token in iter {
+            counts.add(token);
+        }
+        counts
+    }
+}
+
+/// The outcome of sampling one token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    /// The chosen token id.
+    pub token: u32,
+    /// Log-probability of `token` under the penalised logits (before
+    /// temperature and truncation).
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities (same
+    /// distribution as `logprob`), sorted descending, ties to the lower id.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+impl From<&SamplingSpec> for SamplingParams {
+    fn from(spec: &SamplingSpec) -> Self {
+        Self {
+            temperature: spec.temperature,
+            top_k: spec.top_k.map(|k| k as usize),
+            top_p: spec.top_p,
+            min_p: spec.min_p,
+            presence_penalty: spec.presence_penalty,
+            frequency_penalty: spec.frequency_penalty,
+            seed: spec.seed,
+            top_logprobs: spec.top_logprobs as usize,
+        }
+    }
+}

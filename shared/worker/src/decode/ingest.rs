@@ -1,0 +1,148 @@
+//! `POST /v1/internal/kv/{request_id}`: a prefill worker streams a reserved
+//! sequence's KV in the format of `pdserve_protocol::kvwire`. Every frame is
+//! decoded and checked (header against the reservation, order, sizes,
+//! CRCs) and imported as it arrives; the end frame hands the sequence, with
+//! its first token, to the backend.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::Json;
+use futures_util::StreamExt;
+use pdserve_protocol::internal::{ErrorBody, ErrorKind};
+use pdserve_protocol::kvwire::{self, KvDtype, KvEvent, KvLimits, KvStreamDecoder, LayerFrame};
+use pdserve_text::Sampled;
+
+use super::lease::{expired_error, Pending};
+use super::{DecodeBackend, DecodeJob, DecodeServer, KvImport};
+use crate::http::ApiError;
+
+/// `{"tokens": n, "bytes": n}` once the KV is in and the sequence admitted.
+#[derive(serde::Serialize)]
+pub struct IngestResult {
+    pub tokens: u32,
+    pub bytes: u64,
+}
+
+pub(super) async fn ingest<B: DecodeBackend>(
+    State(server): State<Arc<DecodeServer<B>>>,
+    Path(request_id): Path<String>,
+    body: Body,
+) -> Result<Json<IngestResult>, ApiError> {
+    let Some(mut pending) = server.pending().remove(&request_id) else {
+        return Err(ApiError(ErrorBody::fatal(
+            ErrorKind::UnknownReservation,
+            format!(
+                "no KV reservation for request {request_id} (expired, cancelled or never made)"
+            ),
+        )));
+    };
+    let started = Instant::now();
+    match receive(&server.backend, &request_id, &mut pending, body).await {
+        Ok((first, bytes)) => {
+            server
+                .metrics
+                .kv_received(bytes, started.elapsed().as_secs_f64());
+            let tokens = pending.prompt.len() as u32;
+            admit(&server, request_id, pending, first)?;
+            Ok(Json(IngestResult { tokens, bytes }))
+        }
+        Err(err) => {
+            tracing::warn!(request_id = %request_id, "KV ingest failed: {err}");
+            // Keep the reservation for a retry from another prefill worker,
+            // until its lease ends (it may have ended during this ingest).
+            pending.kv.reset();
+            if pending.lease.expired() {
+                let detail = "the lease ended while a KV upload that then failed held the reservation";
+                let _ = pending.events.send(expired_error(detail));
+            } else if !pending.events.is_closed() {
+                server.pending().insert(request_id, pending);
+            }
+            Err(ApiError(err))
+        }
+    }
+}
+
+/// Reads the whole stream into `pending.kv`; returns the first token and the bytes read.
+async fn receive<B: DecodeBackend>(
+    backend: &B,
+    request_id: &str,
+    pending: &mut Pending<B::Kv>,
+    body: Body,
+) -> Result<(Sampled, u64), ErrorBody> {
+    let n_tokens = pending.prompt.len();
+    let expected = backend.kv_shape().expected(request_id, n_tokens as u32);
+    let mut decoder = KvStreamDecoder::new(KvLimits::default());
+    let mut stream = body.into_data_stream();
+    let (mut bytes, mut dtype) = (0u64, KvDtype::F32);
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk
+            .map_err(|e| ErrorBody::retryable(ErrorKind::KvStreamBroken, e.to_string()))?;
+        bytes += chunk.len() as u64;
+        for event in decoder.push(&chunk).map_err(ErrorBody::from)? {
+            match event {
+                KvEvent::Header(h) => {
+                    kvwire::validate_against(&h, &expected).map_err(ErrorBody::from)?;
+                    if h.n_tokens as usize != n_tokens {
+                        let msg = format!("KV for {} tokens, the prompt has {n_tokens}", h.n_tokens);
+                        return Err(ErrorBody::fatal(ErrorKind::KvMismatch, msg));
+                    }
+                    dtype = h.dtype;
+                }
+                KvEvent::Layers(frame) => import(&mut pending.kv, dtype, &frame)?,
+                KvEvent::End(t) => {
+                    pending.kv.finish(n_tokens)?;
+                    let first = Sampled {
+                        token: t.first_token,
+                        logprob: t.first_logprob,
+                        top_logprobs: t.top_logprobs,
+                    };
+                    return Ok((first, bytes));
+                }
+            }
+        }
+    }
+    decoder.finish().map_err(ErrorBody::from)?;
+    Err(ErrorBody::retryable(
+        ErrorKind::KvStreamTruncated,
+        "the KV stream ended before its end frame",
+    ))
+}
+
+/// Imports every layer of one frame.
+fn import(kv: &mut impl KvImport, dtype: KvDtype, frame: &LayerFrame) -> Result<(), ErrorBody> {
+    let (start, n) = (frame.token_start as usize, frame.token_count as usize);
+    for layer in frame.layer_start..frame.layer_start + frame.layer_count {
+        let (k, v) = frame.layer_kv(layer).ok_or_else(|| {
+            let msg = format!("layer {layer} missing from its frame");
+            ErrorBody::fatal(ErrorKind::KvBadFrame, msg)
+        })?;
+        kv.import(layer as usize, dtype, start, n, k, v)?;
+    }
+    Ok(())
+}
+
+fn admit<B: DecodeBackend>(
+    server: &DecodeServer<B>,
+    request_id: String,
+    pending: Pending<B::Kv>,
+    first: Sampled,
+) -> Result<(), ApiError> {
+    if first.token as usize >= server.backend.config().vocab_size {
+        return Err(ApiError(ErrorBody::fatal(
+            ErrorKind::KvBadFirstToken,
+            "the first token is outside the vocabulary",
+        )));
+    }
+    let job = DecodeJob {
+        request_id,
+        prompt: pending.prompt,
+        sampling: pending.sampling,
+        kv: pending.kv,
+        first: Some(first),
+        events: pending.events,
+    };
+    server.backend.submit(job).map_err(ApiError)
+}

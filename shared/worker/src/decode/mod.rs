@@ -1,0 +1,186 @@
+//! The decode worker's HTTP side, over any engine that implements
+//! [`DecodeBackend`]: `POST /v1/internal/generate` (reserve KV, then
+//! prefill locally or wait under a lease for a prefill worker's KV, then
+//! stream tokens as JSON lines), `POST /v1/internal/kv/{id}` (the KV
+//! ingest), `/health`, `/ready`, `/load`, `/metrics`.
+//!
+//! A backend reserves KV ([`DecodeBackend::reserve`]), imports streamed KV
+//! into a reservation ([`KvImport`]) and runs [`DecodeJob`]s, sending each
+//! token on `job.events` ([`SeqStream`] does the bookkeeping). It drops a
+//! sequence whose `events` receiver is gone: that is how a client that left
+//! cancels it.
+
+mod generate;
+mod ingest;
+mod lease;
+mod metrics;
+mod sequence;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use axum::extract::{DefaultBodyLimit, State};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use pdserve_protocol::internal::{
+    ErrorBody, GenerateEvent, LoadReport, Pool, SamplingSpec, WorkerRegistration,
+};
+use pdserve_protocol::kvwire::{KvDtype, KvShape};
+use pdserve_text::{ModelConfig, Sampled};
+use tokio::sync::mpsc;
+
+pub use metrics::DecodeMetrics;
+pub use sequence::{Outcome, SeqStream};
+
+use crate::queue::EngineStats;
+use crate::readiness::Readiness;
+use crate::server::Service;
+
+use lease::Pending;
+
+/// Largest generate request body (a prompt of token ids).
+const MAX_BODY_BYTES: usize = 8 << 20;
+
+/// A decode engine: the real model or a simulation of it.
+pub trait DecodeBackend: Send + Sync + 'static {
+    /// A sequence's reserved KV; dropping it gives the reservation back.
+    type Kv: KvImport;
+    /// The model's hyper-parameters, for validating requests.
+    fn config(&self) -> &ModelConfig;
+    /// What an incoming KV stream must match.
+    fn kv_shape(&self) -> KvShape;
+    /// Reserves KV for `tokens` (prompt and generation); a full budget is
+    /// retryable, more than the whole budget fatal.
+    fn reserve(&self, tokens: usize) -> Result<Self::Kv, ErrorBody>;
+    /// Queues a sequence without waiting; a full queue is retryable.
+    fn submit(&self, job: DecodeJob<Self::Kv>) -> Result<(), ErrorBody>;
+    /// The engine's load: queued and running sequences, recent throughput.
+    fn stats(&self) -> &EngineStats;
+    /// KV tokens reserved now, and the budget.
+    fn kv_usage(&self) -> (u64, u64);
+}
+
+/// A reservation that can take a prompt's KV as a prefill worker streams it.
+pub trait KvImport: Send + 'static {
+    /// Imports `n` rows from `start` of one layer's K and V bytes.
+    fn import(
+        &mut self,
+        layer: usize,
+        dtype: KvDtype,
+        start: usize,
+        n: usize,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<(), ErrorBody>;
+    /// The whole prompt of `n_tokens` is in.
+    fn finish(&mut self, n_tokens: usize) -> Result<(), ErrorBody>;
+    /// Forgets a partial import (the upload failed; another may follow).
+    fn reset(&mut self);
+}
+
+/// A sequence handed to a backend.
+pub struct DecodeJob<Kv> {
+    pub request_id: String,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingSpec,
+    pub kv: Kv,
+    /// The token a prefill worker sampled after the imported prompt;
+    /// `None`: prefill the prompt here.
+    pub first: Option<Sampled>,
+    pub events: mpsc::UnboundedSender<GenerateEvent>,
+}
+
+/// The decode worker's HTTP side over backend `B`.
+pub struct DecodeServer<B: DecodeBackend> {
+    backend: B,
+    metrics: Arc<DecodeMetrics>,
+    /// Reservations waiting for their KV, by request id; one being ingested
+    /// is taken out, and put back if the ingest fails.
+    pending: Mutex<HashMap<String, Pending<B::Kv>>>,
+    /// This worker's base URL as prefill workers reach it.
+    public_url: String,
+    readiness: Readiness,
+}
+
+impl<B: DecodeBackend> DecodeServer<B> {
+    /// The server over a started backend that reports into `metrics`; KV
+    /// ingest URLs name `public_url`.
+    pub fn new(backend: B, metrics: Arc<DecodeMetrics>, public_url: String) -> Arc<Self> {
+        Arc::new(Self {
+            backend,
+            metrics,
+            pending: Mutex::default(),
+            public_url,
+            readiness: Readiness::default(),
+        })
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    pub fn readiness(&self) -> &Readiness {
+        &self.readiness
+    }
+
+    fn pending(&self) -> MutexGuard<'_, HashMap<String, Pending<B::Kv>>> {
+        // Entries are whole values: the map is consistent even after a panic.
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reservations waiting for their KV.
+    pub fn waiting_for_kv(&self) -> usize {
+        self.pending().len()
+    }
+
+    /// Sequences queued, running or waiting for their KV.
+    pub fn in_flight(&self) -> u64 {
+        self.backend.stats().in_flight() + self.waiting_for_kv() as u64
+    }
+
+    /// The load report the router balances and scales on.
+    pub fn load_report(&self) -> LoadReport {
+        let (used, capacity) = self.backend.kv_usage();
+        LoadReport {
+            kv_used_tokens: used,
+            kv_free_tokens: capacity.saturating_sub(used),
+            ..self.backend.stats().report(self.readiness.is_ready())
+        }
+    }
+
+    /// The worker's routes.
+    pub fn routes(self: &Arc<Self>) -> Router {
+        Router::new()
+            .route("/v1/internal/generate", post(generate::generate::<B>))
+            .route("/v1/internal/kv/{request_id}", post(ingest::ingest::<B>))
+            .route("/health", get(|| async { "ok" }))
+            .route("/ready", get(|State(s): State<Arc<Self>>| async move { s.readiness.status() }))
+            .route("/load", get(|State(s): State<Arc<Self>>| async move { Json(s.load_report()) }))
+            .route("/metrics", get(|State(s): State<Arc<Self>>| async move { s.metrics_page() }))
+            .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+            .with_state(self.clone())
+    }
+
+    fn metrics_page(&self) -> axum::response::Response {
+        let (used, capacity) = self.backend.kv_usage();
+        self.metrics.kv_gauges(used, capacity);
+        crate::http::metrics_page(&self.metrics.registry)
+    }
+
+    /// The worker as a [`Service`], registering with `fingerprint` and `weights`.
+    pub fn service(self: &Arc<Self>, fingerprint: u64, weights: &str) -> Service {
+        let (load, stop, count) = (self.clone(), self.clone(), self.clone());
+        Service {
+            app: self.routes(),
+            registration: WorkerRegistration {
+                pool: Pool::Decode,
+                url: self.public_url.clone(),
+                model_fingerprint: fingerprint,
+                weights: weights.to_string(),
+            },
+            load: Arc::new(move || load.load_report()),
+            stop_accepting: Box::new(move || stop.readiness.stop()),
+            in_flight: Box::new(move || count.in_flight()),
+        }
+    }
+}

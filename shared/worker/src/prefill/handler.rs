@@ -1,0 +1,146 @@
+//! `POST /v1/internal/prefill` and its `DELETE`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::Json;
+use bytes::Bytes;
+use pdserve_protocol::internal::{ErrorBody, ErrorKind, PrefillJob, PrefillResult};
+use pdserve_runtime::metrics::labels;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{cancelled, Computed, PrefillBackend, PrefillServer, PrefillTask};
+use crate::http::{json_body, ApiError};
+use crate::upload::upload;
+
+/// Frames queued between the engine and the upload.
+const FRAME_BUFFER: usize = 16;
+
+/// Cancels the job when the handler ends for any reason, including the
+/// router dropping the request; the engine stops after the current layer.
+struct JobGuard<B: PrefillBackend> {
+    server: Arc<PrefillServer<B>>,
+    id: String,
+    cancel: CancellationToken,
+}
+
+impl<B: PrefillBackend> JobGuard<B> {
+    /// Registers a job (for `DELETE`), refusing an id already in progress.
+    fn track(server: &Arc<PrefillServer<B>>, id: &str) -> Result<Self, ApiError> {
+        let cancel = CancellationToken::new();
+        let mut jobs = server.jobs();
+        if jobs.contains_key(id) {
+            let msg = "a job with this id is in progress";
+            return Err(ApiError(ErrorBody::fatal(ErrorKind::DuplicateRequestId, msg)));
+        }
+        jobs.insert(id.to_string(), cancel.clone());
+        Ok(Self {
+            server: server.clone(),
+            id: id.to_string(),
+            cancel,
+        })
+    }
+}
+
+impl<B: PrefillBackend> Drop for JobGuard<B> {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+        self.server.jobs().remove(&self.id);
+    }
+}
+
+pub(super) async fn prefill<B: PrefillBackend>(
+    State(server): State<Arc<PrefillServer<B>>>,
+    body: Result<Json<PrefillJob>, JsonRejection>,
+) -> Result<Json<PrefillResult>, ApiError> {
+    let job = json_body(body)?;
+    server.readiness.admit()?;
+    crate::validate::prefill(server.backend.config(), &job)?;
+    let guard = JobGuard::track(&server, &job.request_id)?;
+    let (frames_tx, frames_rx) = mpsc::channel::<Bytes>(FRAME_BUFFER);
+    let (reply_tx, reply_rx) = oneshot::channel();
+    let deadline = Duration::from_millis(job.deadline_ms.max(1));
+    let (id, tokens, url) = (
+        job.request_id.clone(),
+        job.prompt_tokens.len() as u32,
+        job.kv_destination.clone(),
+    );
+    let task = PrefillTask {
+        job,
+        enqueued: Instant::now(),
+        cancel: guard.cancel.clone(),
+        frames: frames_tx,
+        reply: reply_tx,
+    };
+    server.backend.submit(task)?;
+    let work = deliver(&server, &url, frames_rx, reply_rx);
+    // A cancel stops the upload too (dropping it aborts the stream, so the
+    // decode worker never commits the KV), unless the KV was delivered first.
+    let result = tokio::select! {
+        biased;
+        r = tokio::time::timeout(deadline, work) => r.unwrap_or_else(|_| Err(ErrorBody::retryable(
+            ErrorKind::DeadlineExceeded,
+            format!("KV not delivered within {} ms", deadline.as_millis()),
+        ))),
+        _ = guard.cancel.cancelled() => Err(cancelled()),
+    };
+    drop(guard);
+    let status = match &result {
+        Ok(_) => labels::STATUS_OK,
+        Err(_) => labels::STATUS_ERROR,
+    };
+    server.metrics.requests.with_label_values(&[status]).inc();
+    let c = result.inspect_err(|e| tracing::warn!(request_id = %id, "prefill failed: {e}"))?;
+    Ok(Json(PrefillResult {
+        request_id: id,
+        prompt_tokens: tokens,
+        first_token: c.first_token,
+        queue_seconds: c.queue_seconds,
+        compute_seconds: c.compute_seconds,
+        transfer_bytes: c.bytes,
+    }))
+}
+
+/// Uploads the frames while the engine produces them; done when both are.
+async fn deliver<B: PrefillBackend>(
+    server: &PrefillServer<B>,
+    url: &str,
+    frames: mpsc::Receiver<Bytes>,
+    reply: oneshot::Receiver<Result<Computed, ErrorBody>>,
+) -> Result<Computed, ErrorBody> {
+    let upload_started = Instant::now();
+    let uploading = async {
+        upload(&server.client, url, frames).await?;
+        Ok::<Instant, ErrorBody>(Instant::now())
+    };
+    let (computed, uploaded) = tokio::join!(reply, uploading);
+    let computed = computed.map_err(|_| {
+        ErrorBody::retryable(ErrorKind::EngineStopped, "the prefill engine stopped")
+    })??;
+    let acked = uploaded?;
+    let m = &server.metrics;
+    m.kv_transfer_seconds
+        .observe((acked - upload_started).as_secs_f64());
+    let tail = acked.saturating_duration_since(computed.finished_at);
+    m.transfer_tail_seconds.observe(tail.as_secs_f64());
+    Ok(computed)
+}
+
+/// `DELETE /v1/internal/prefill/{request_id}`: 200, or 404 for an unknown job.
+pub(super) async fn cancel<B: PrefillBackend>(
+    State(server): State<Arc<PrefillServer<B>>>,
+    Path(id): Path<String>,
+) -> StatusCode {
+    match server.jobs().get(&id) {
+        Some(token) => {
+            token.cancel();
+            StatusCode::OK
+        }
+        None => StatusCode::NOT_FOUND,
+    }
+}

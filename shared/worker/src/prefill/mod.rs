@@ -1,0 +1,161 @@
+//! The prefill worker's HTTP side, over any engine that implements
+//! [`PrefillBackend`]: `POST /v1/internal/prefill` (run a prompt, stream its
+//! KV to the decode worker the job names, answer once it is delivered),
+//! `DELETE /v1/internal/prefill/{id}`, `/health`, `/ready`, `/load`,
+//! `/metrics`.
+//!
+//! A backend takes [`PrefillTask`]s. For each it sends the KV stream's
+//! frames (header, layers as they are computed, end frame with the first
+//! token) into `task.frames`, which this layer uploads as they come, and
+//! answers on `task.reply`. It stops a task once `task.cancel` fires: that
+//! is how a `DELETE`, the router going away or a failed upload cancel it.
+
+mod handler;
+mod metrics;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use axum::extract::State;
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use pdserve_protocol::internal::{
+    ErrorBody, ErrorKind, LoadReport, Pool, PrefillJob, WorkerRegistration,
+};
+use pdserve_text::ModelConfig;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+pub use metrics::PrefillMetrics;
+
+use crate::queue::EngineStats;
+use crate::readiness::Readiness;
+use crate::server::Service;
+
+/// A prefill engine: the real model or a simulation of it.
+pub trait PrefillBackend: Send + Sync + 'static {
+    /// The model's hyper-parameters, for validating jobs.
+    fn config(&self) -> &ModelConfig;
+    /// Queues a task without waiting; a full queue is a retryable error.
+    fn submit(&self, task: PrefillTask) -> Result<(), ErrorBody>;
+    /// The engine's load: queued and running jobs, recent throughput.
+    fn stats(&self) -> &EngineStats;
+}
+
+/// A job handed to a backend.
+pub struct PrefillTask {
+    pub job: PrefillJob,
+    pub enqueued: Instant,
+    /// Fires when the job is no longer wanted; the engine stops at the next layer.
+    pub cancel: CancellationToken,
+    /// Frames of the KV stream, read by the upload to the decode worker.
+    pub frames: mpsc::Sender<Bytes>,
+    pub reply: oneshot::Sender<Result<Computed, ErrorBody>>,
+}
+
+/// What a backend reports for a finished prompt.
+#[derive(Debug)]
+pub struct Computed {
+    /// When the compute and sampling ended (the end frame was queued).
+    pub finished_at: Instant,
+    pub first_token: u32,
+    pub queue_seconds: f64,
+    pub compute_seconds: f64,
+    /// Bytes of the KV stream.
+    pub bytes: u64,
+}
+
+/// The error of a job cancelled by `DELETE` or by its caller going away.
+pub fn cancelled() -> ErrorBody {
+    ErrorBody::fatal(ErrorKind::Cancelled, "the job was cancelled")
+}
+
+/// The error of a frame that the upload no longer takes.
+pub fn upload_stopped() -> ErrorBody {
+    ErrorBody::retryable(
+        ErrorKind::KvUploadFailed,
+        "the KV upload to the decode worker stopped",
+    )
+}
+
+/// The prefill worker's HTTP side over backend `B`.
+pub struct PrefillServer<B> {
+    backend: B,
+    metrics: Arc<PrefillMetrics>,
+    client: reqwest::Client,
+    /// Cancellation tokens of jobs queued, running or delivering, by request id.
+    jobs: Mutex<HashMap<String, CancellationToken>>,
+    readiness: Readiness,
+}
+
+impl<B: PrefillBackend> PrefillServer<B> {
+    /// The server over a started backend that reports into `metrics`.
+    pub fn new(backend: B, metrics: Arc<PrefillMetrics>) -> Arc<Self> {
+        Arc::new(Self {
+            backend,
+            metrics,
+            client: reqwest::Client::new(),
+            jobs: Mutex::default(),
+            readiness: Readiness::default(),
+        })
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    pub fn readiness(&self) -> &Readiness {
+        &self.readiness
+    }
+
+    fn jobs(&self) -> MutexGuard<'_, HashMap<String, CancellationToken>> {
+        // Entries are whole values: the map is consistent even after a panic.
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Jobs queued, running, or still delivering their KV.
+    pub fn in_flight(&self) -> u64 {
+        self.jobs().len() as u64
+    }
+
+    /// The load report the router balances and scales on.
+    pub fn load_report(&self) -> LoadReport {
+        self.backend.stats().report(self.readiness.is_ready())
+    }
+
+    /// The worker's routes.
+    pub fn routes(self: &Arc<Self>) -> Router {
+        Router::new()
+            .route("/v1/internal/prefill", post(handler::prefill::<B>))
+            .route("/v1/internal/prefill/{request_id}", delete(handler::cancel::<B>))
+            .route("/health", get(|| async { "ok" }))
+            .route("/ready", get(|State(s): State<Arc<Self>>| async move { s.readiness.status() }))
+            .route("/load", get(|State(s): State<Arc<Self>>| async move { Json(s.load_report()) }))
+            .route(
+                "/metrics",
+                get(|State(s): State<Arc<Self>>| async move {
+                    crate::http::metrics_page(&s.metrics.registry)
+                }),
+            )
+            .with_state(self.clone())
+    }
+
+    /// The worker as a [`Service`], registering at `url` with `fingerprint` and `weights`.
+    pub fn service(self: &Arc<Self>, url: String, fingerprint: u64, weights: &str) -> Service {
+        let (load, stop, count) = (self.clone(), self.clone(), self.clone());
+        Service {
+            app: self.routes(),
+            registration: WorkerRegistration {
+                pool: Pool::Prefill,
+                url,
+                model_fingerprint: fingerprint,
+                weights: weights.to_string(),
+            },
+            load: Arc::new(move || load.load_report()),
+            stop_accepting: Box::new(move || stop.readiness.stop()),
+            in_flight: Box::new(move || count.in_flight()),
+        }
+    }
+}

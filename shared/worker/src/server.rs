@@ -1,0 +1,85 @@
+//! Running a worker process: the flags every worker shares, and the server
+//! loop: listen, register and heartbeat, serve, drain on SIGTERM, deregister.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use pdserve_protocol::internal::{LoadReport, WorkerRegistration};
+use pdserve_runtime::shutdown::{self, Drain, DrainArgs};
+use pdserve_runtime::telemetry::TelemetryArgs;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::registration::{self, RegistrationArgs};
+
+/// The flags of every worker binary but its port (whose variable and
+/// default differ by binary).
+#[derive(Args, Debug, Clone)]
+pub struct ServerArgs {
+    /// Address to listen on.
+    #[arg(long, env = "PDSERVE_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Base URL at which the router and other workers reach this worker
+    /// (default: http://HOST:PORT as bound).
+    #[arg(long, env = "PDSERVE_PUBLIC_URL")]
+    pub public_url: Option<String>,
+    #[command(flatten)]
+    pub drain: DrainArgs,
+    #[command(flatten)]
+    pub registration: RegistrationArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+}
+
+impl ServerArgs {
+    /// Binds `port` on `--host`; returns the listener and the worker's public URL.
+    pub async fn bind(&self, port: u16) -> std::io::Result<(TcpListener, String)> {
+        let listener = crate::http::listen(&self.host, port).await?;
+        let addr = listener.local_addr()?;
+        let url = self
+            .public_url
+            .clone()
+            .unwrap_or_else(|| format!("http://{addr}"));
+        Ok((listener, url))
+    }
+}
+
+/// A built worker, ready to serve: its routes, what it registers as, its
+/// load report and what its drain needs.
+pub struct Service {
+    pub app: axum::Router,
+    pub registration: WorkerRegistration,
+    pub load: Arc<dyn Fn() -> LoadReport + Send + Sync>,
+    /// Turns readiness off (called once when draining starts).
+    pub stop_accepting: Box<dyn FnOnce() + Send>,
+    /// Work still in flight: queued, running, or delivering its result.
+    pub in_flight: Box<dyn Fn() -> u64 + Send + Sync>,
+}
+
+/// Serves `service` on `listener` until SIGTERM or Ctrl-C, then drains (at
+/// most `--drain-seconds`), deregisters from the router and returns.
+pub async fn serve(
+    listener: TcpListener,
+    service: Service,
+    args: &ServerArgs,
+) -> std::io::Result<()> {
+    let token = CancellationToken::new();
+    shutdown::cancel_on_signal(token.clone());
+    let registered = registration::start(
+        &args.registration,
+        service.registration,
+        service.load,
+        token.clone(),
+    );
+    let drain = Drain {
+        stop_accepting: service.stop_accepting,
+        in_flight: service.in_flight,
+        deadline: Duration::from_secs(args.drain.drain_seconds),
+    };
+    shutdown::serve(listener, service.app, token, drain).await?;
+    // The deregistration starts with the drain; let it reach the router.
+    registration::finish(registered).await;
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,39 @@
+//! A prefill worker's side of the KV stream: frames, as they are produced,
+//! go to the decode worker's ingest URL in one streamed POST.
+
+use axum::http::header;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use pdserve_protocol::internal::{ErrorBody, ErrorKind};
+use tokio::sync::mpsc;
+
+/// Streams `frames` to `url` until the sender side closes; the decode
+/// worker's error, when it refuses the stream, is returned as it sent it.
+pub async fn upload(
+    client: &reqwest::Client,
+    url: &str,
+    mut frames: mpsc::Receiver<Bytes>,
+) -> Result<(), ErrorBody> {
+    let stream =
+        futures_util::stream::poll_fn(move |cx| frames.poll_recv(cx)).map(Ok::<_, std::io::Error>);
+    let resp = client
+        .post(url)
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .body(reqwest::Body::wrap_stream(stream))
+        .send()
+        .await
+        .map_err(|e| {
+            ErrorBody::retryable(ErrorKind::KvUploadFailed, format!("sending KV to {url}: {e}"))
+        })?;
+    if resp.status().is_success() {
+        return Ok(());
+    }
+    let status = resp.status();
+    match resp.json::<ErrorBody>().await {
+        Ok(body) => Err(body),
+        Err(_) => Err(ErrorBody::retryable(
+            ErrorKind::KvUploadFailed,
+            format!("the decode worker answered {status}"),
+        )),
+    }
+}
