@@ -191,7 +191,12 @@ impl Scheduler {
         let mut batch: Vec<(&mut SeqKv, u32)> = self
             .active
             .iter_mut()
-            .map(|s| (&mut s.kv, s.last.expect("active sequences have a last token")))
+            .map(|s| {
+                (
+                    &mut s.kv,
+                    s.last.expect("active sequences have a last token"),
+                )
+            })
             .collect();
         let result = self.model.decode_step(&mut batch);
         let n = self.active.len();
@@ -200,7 +205,8 @@ impl Scheduler {
             Err(e) => {
                 tracing::error!("decode step failed: {e}");
                 for s in std::mem::take(&mut self.active) {
-                    s.stream.fail(e.to_wire(ErrorClass::Retryable), &self.metrics);
+                    s.stream
+                        .fail(e.to_wire(ErrorClass::Retryable), &self.metrics);
                 }
                 return;
             }

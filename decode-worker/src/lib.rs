@@ -19,7 +19,12 @@ use engine::EngineConfig;
 
 /// The decode server over `model`, its scheduler thread started; `eos` ends
 /// sequences, and KV ingest URLs name `public_url`. The worker starts ready.
-pub fn build(model: Arc<Model>, eos: u32, args: &Args, public_url: String) -> Arc<DecodeServer<RealDecode>> {
+pub fn build(
+    model: Arc<Model>,
+    eos: u32,
+    args: &Args,
+    public_url: String,
+) -> Arc<DecodeServer<RealDecode>> {
     let metrics = Arc::new(DecodeMetrics::new());
     let cfg = EngineConfig {
         max_batch: args.max_batch,

@@ -10,7 +10,12 @@ use tokio_util::sync::CancellationToken;
 async fn mock(model: &str, pool: &str) -> String {
     let (listener, url) = bind().await;
     let args = pdserve_mock_worker::Args::parse_from(["mock", "--pool", pool, "--model", model]);
-    serve_on(listener, pdserve_mock_worker::build(&args, url.clone()).unwrap().app());
+    serve_on(
+        listener,
+        pdserve_mock_worker::build(&args, url.clone())
+            .unwrap()
+            .app(),
+    );
     url
 }
 

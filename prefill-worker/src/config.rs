@@ -51,7 +51,6 @@ impl Args {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

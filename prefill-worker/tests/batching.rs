@@ -8,10 +8,10 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use common::*;
-use pdserve_testkit::tiny::TinyModelSpec;
 use pdserve_prefill::EngineHandle;
-use pdserve_worker::prefill::{PrefillBackend, PrefillMetrics};
 use pdserve_protocol::internal::{ErrorKind, PrefillJob};
+use pdserve_testkit::tiny::TinyModelSpec;
+use pdserve_worker::prefill::{PrefillBackend, PrefillMetrics};
 
 struct Bench {
     engine: EngineHandle,

@@ -8,11 +8,11 @@ use std::sync::Arc;
 
 use clap::Parser;
 use common::*;
-use pdserve_testkit::tiny::TinyModelSpec;
 use pdserve_prefill::EngineHandle;
-use pdserve_worker::prefill::{PrefillBackend, PrefillMetrics};
 use pdserve_protocol::internal::{ErrorBody, ErrorKind};
 use pdserve_testkit::http::serve;
+use pdserve_testkit::tiny::TinyModelSpec;
+use pdserve_worker::prefill::{PrefillBackend, PrefillMetrics};
 
 const LAYERS: usize = 6;
 

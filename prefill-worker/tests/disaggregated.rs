@@ -184,7 +184,11 @@ async fn bad_jobs_are_fatal_errors() {
     let c = cluster(&[]).await;
     for (p, url, kind) in [
         (vec![], "http://127.0.0.1:1/x", ErrorKind::InvalidRequest),
-        (vec![3, 50_000], "http://127.0.0.1:1/x", ErrorKind::InvalidRequest),
+        (
+            vec![3, 50_000],
+            "http://127.0.0.1:1/x",
+            ErrorKind::InvalidRequest,
+        ),
         (
             prompt(600),
             "http://127.0.0.1:1/x",

@@ -7,9 +7,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use pdserve_testkit::tiny::TinyModelSpec;
 use pdserve_protocol::internal::{PrefillJob, PrefillResult};
 use pdserve_testkit::process::{assert_refused_while_draining, WorkerProcess};
+use pdserve_testkit::tiny::TinyModelSpec;
 use tokio::task::JoinHandle;
 
 async fn submit(url: &str, job: &PrefillJob) -> reqwest::Result<reqwest::Response> {

@@ -189,7 +189,11 @@ mod tests {
                 404,
                 "invalid_request_error",
             ),
-            (ApiError::NotFound("/x".into()), 404, "invalid_request_error"),
+            (
+                ApiError::NotFound("/x".into()),
+                404,
+                "invalid_request_error",
+            ),
             (ApiError::Unauthorized, 401, "authentication_error"),
             (ApiError::PayloadTooLarge(1), 413, "invalid_request_error"),
             (ApiError::Overloaded, 429, "rate_limit_error"),
@@ -219,11 +223,20 @@ mod tests {
     #[test]
     fn worker_errors_keep_their_meaning() {
         let worker = |pool, e| ApiError::from_worker(pool, e);
-        let busy = worker(Pool::Decode, ErrorBody::retryable(ErrorKind::KvExhausted, "full"));
+        let busy = worker(
+            Pool::Decode,
+            ErrorBody::retryable(ErrorKind::KvExhausted, "full"),
+        );
         assert_eq!(busy.status(), StatusCode::SERVICE_UNAVAILABLE);
         let upload = ErrorBody::retryable(ErrorKind::KvUploadFailed, "x");
-        assert_eq!(worker(Pool::Prefill, upload).status(), StatusCode::BAD_GATEWAY);
-        let bad = worker(Pool::Decode, ErrorBody::fatal(ErrorKind::InvalidSampling, "x"));
+        assert_eq!(
+            worker(Pool::Prefill, upload).status(),
+            StatusCode::BAD_GATEWAY
+        );
+        let bad = worker(
+            Pool::Decode,
+            ErrorBody::fatal(ErrorKind::InvalidSampling, "x"),
+        );
         assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
         let long = ErrorBody::fatal(ErrorKind::ContextLengthExceeded, "x");
         assert_eq!(worker(Pool::Decode, long).kind(), "context_length_exceeded");

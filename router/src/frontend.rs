@@ -5,10 +5,10 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use pdserve_text::{ChatMessage, ModelConfig, Tokenizer};
 use pdserve_protocol::openai::{
     ChatCompletionRequest, CompletionRequest, MessageContent, PromptInput, RequestMessage,
 };
+use pdserve_text::{ChatMessage, ModelConfig, Tokenizer};
 
 use crate::config::Limits;
 use crate::error::ApiError;

@@ -59,10 +59,7 @@ pub fn build_state(args: &Args) -> anyhow::Result<Arc<AppState>> {
         registry,
         metrics: metrics.clone(),
         api_keys: args.api_keys.clone(),
-        admission: request::Admission::new(
-            args.limits().max_concurrent_requests,
-            metrics.clone(),
-        ),
+        admission: request::Admission::new(args.limits().max_concurrent_requests, metrics.clone()),
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())

@@ -4,10 +4,10 @@
 
 use std::hash::{BuildHasher, Hasher};
 
-use pdserve_text::sampling::MAX_TOP_LOGPROBS;
-use pdserve_text::stop::StopMatcher;
 use pdserve_protocol::internal::SamplingSpec;
 use pdserve_protocol::openai::CommonParams;
+use pdserve_text::sampling::MAX_TOP_LOGPROBS;
+use pdserve_text::stop::StopMatcher;
 
 use crate::config::Limits;
 use crate::error::ApiError;
@@ -204,7 +204,10 @@ mod tests {
             (r#"{"n":0}"#, "n"),
             (r#"{"max_tokens":0}"#, "max_tokens"),
             (r#"{"top_k":-2}"#, "top_k"),
-            (r#"{"stop":["a","b","c","d","e","f","g","h","i","j","k","l","m","n","o","p","q"]}"#, "stop"),
+            (
+                r#"{"stop":["a","b","c","d","e","f","g","h","i","j","k","l","m","n","o","p","q"]}"#,
+                "stop",
+            ),
             (
                 r#"{"stream_options":{"include_usage":true}}"#,
                 "stream_options",

@@ -94,9 +94,7 @@ impl Request {
     fn count(&mut self, status: &str) {
         if !std::mem::replace(&mut self.counted, true) {
             let m = &self.metrics;
-            m.requests
-                .with_label_values(&[self.endpoint, status])
-                .inc();
+            m.requests.with_label_values(&[self.endpoint, status]).inc();
         }
     }
 
@@ -132,8 +130,7 @@ impl Request {
     pub fn count_tokens(&self, usage: Usage) {
         let m = &self.metrics;
         m.prompt_tokens.inc_by(usage.prompt_tokens as u64);
-        m.generation_tokens
-            .inc_by(usage.completion_tokens as u64);
+        m.generation_tokens.inc_by(usage.completion_tokens as u64);
     }
 
     pub fn metrics(&self) -> &Arc<RouterMetrics> {

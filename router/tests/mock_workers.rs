@@ -49,7 +49,10 @@ async fn the_real_router_serves_chat_over_registered_mock_workers() {
     assert_eq!(fetch_metric(&p, ok).await, 1.0);
     assert!(fetch_metric(&d, "pdserve_kv_transfer_bytes_total").await > 0.0);
     let prompt = v["usage"]["prompt_tokens"].as_f64().unwrap();
-    assert_eq!(fetch_metric(&p, "pdserve_prompt_tokens_total").await, prompt);
+    assert_eq!(
+        fetch_metric(&p, "pdserve_prompt_tokens_total").await,
+        prompt
+    );
     // Streaming works too, and ends with [DONE].
     let mut stream_body = body.clone();
     stream_body["stream"] = json!(true);

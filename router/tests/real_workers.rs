@@ -20,7 +20,10 @@ async fn text(url: &str, prompt: &str, extra: serde_json::Value) -> String {
 }
 
 fn kv_transfers(page: &str) -> f64 {
-    metric(page, "pdserve_request_stage_seconds_count{stage=\"kv_transfer\"}")
+    metric(
+        page,
+        "pdserve_request_stage_seconds_count{stage=\"kv_transfer\"}",
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -29,7 +32,13 @@ async fn aggregated_and_disaggregated_give_the_same_tokens() {
         return;
     }
     let model = TinyModel::new();
-    let exe = |name: &str| workspace_binary(name).unwrap().to_str().unwrap().to_string();
+    let exe = |name: &str| {
+        workspace_binary(name)
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_string()
+    };
     let prefill = WorkerProcess::worker(&exe("pdserve-prefill"), &model.path, 5).await;
     let decode = WorkerProcess::worker(&exe("pdserve-decode"), &model.path, 5).await;
     let (prefills, decodes) = ([prefill.url.clone()], [decode.url.clone()]);

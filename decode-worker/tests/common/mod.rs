@@ -122,9 +122,7 @@ pub fn kv_stream(
     let pool = KvPool::new(model.kv_layout(), 4096);
     let mut kv = pool.allocate(p.len()).unwrap();
     let layout = model.kv_layout();
-    let header = model
-        .kv_shape()
-        .header(id, p.len() as u32, 0, dtype.into());
+    let header = model.kv_shape().header(id, p.len() as u32, 0, dtype.into());
     let mut out = kvwire::encode_header(&header).unwrap();
     let mut logits = Vec::new();
     for (c, tokens) in p.chunks(chunk).enumerate() {

@@ -106,4 +106,3 @@ impl LatencyArgs {
         Ok(model)
     }
 }
-

@@ -64,7 +64,11 @@ pub enum Worker {
 pub fn build(args: &Args, public_url: String) -> Result<Worker, BuildError> {
     let shape = MockShape::new(ModelConfig::from_gguf_file(&args.model)?)?;
     let latency = args.latency.model()?;
-    tracing::info!(?latency, fingerprint = shape.kv.fingerprint, "the mock's model");
+    tracing::info!(
+        ?latency,
+        fingerprint = shape.kv.fingerprint,
+        "the mock's model"
+    );
     Ok(match args.pool {
         PoolKind::Decode => {
             let cfg = BatcherConfig {

@@ -193,7 +193,10 @@ async fn a_full_queue_is_overloaded_and_a_delete_cancels() {
     let (_resp, kv_url) = reserve(&d.url, &body).await;
     let r = post(&p.url, "/v1/internal/prefill", &job("q2", &body, &kv_url)).await;
     assert_eq!(r.status(), 503);
-    assert_eq!(r.json::<ErrorBody>().await.unwrap().kind, ErrorKind::Overloaded);
+    assert_eq!(
+        r.json::<ErrorBody>().await.unwrap().kind,
+        ErrorKind::Overloaded
+    );
     let client = reqwest::Client::new();
     for (id, job) in ["q0", "q1"].into_iter().zip(jobs) {
         let del = client
@@ -204,7 +207,10 @@ async fn a_full_queue_is_overloaded_and_a_delete_cancels() {
         assert_eq!(del.status(), 200);
         let r = job.await.unwrap();
         assert_eq!(r.status(), 400);
-        assert_eq!(r.json::<ErrorBody>().await.unwrap().kind, ErrorKind::Cancelled);
+        assert_eq!(
+            r.json::<ErrorBody>().await.unwrap().kind,
+            ErrorKind::Cancelled
+        );
     }
     let gone = client
         .delete(format!("{}/v1/internal/prefill/q0", p.url))
@@ -224,7 +230,11 @@ async fn a_lease_that_ends_during_a_failed_ingest_still_releases_the_kv() {
     let d = spawn(&model, "decode", FAST).await;
     let body = generate_body("late", 4, json!({}), remote(200));
     let (resp, kv_url) = reserve(&d.url, &body).await;
-    let fingerprint = d.worker.service(String::new()).registration.model_fingerprint;
+    let fingerprint = d
+        .worker
+        .service(String::new())
+        .registration
+        .model_fingerprint;
     let header = tiny_header("late", fingerprint, 4);
     // A prefill worker sends the header, stalls past the lease, then dies.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);

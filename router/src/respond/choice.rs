@@ -6,10 +6,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use pdserve_protocol::internal::FinishReason;
 use pdserve_text::detok::{IncrementalDecoder, TokenBytes};
 use pdserve_text::stop::{StopMatcher, StopOutput};
 use pdserve_text::Tokenizer;
-use pdserve_protocol::internal::FinishReason;
 
 use crate::dispatch::{SeqEvent, Sequence};
 use crate::error::ApiError;

@@ -93,7 +93,12 @@ async fn complete(mut ctx: Ctx, prepared: &Prepared, choices: Vec<Choice>) -> Re
                         r.text.push_str(&text);
                         r.tokens.push(token);
                     }
-                    Update::Finish { text, reason, completion_tokens, .. } => {
+                    Update::Finish {
+                        text,
+                        reason,
+                        completion_tokens,
+                        ..
+                    } => {
                         r.text.push_str(&text);
                         r.finish_reason = Some(reason.to_string());
                         r.completion_tokens = completion_tokens;

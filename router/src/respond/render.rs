@@ -1,12 +1,12 @@
 //! The OpenAI object shapes, per endpoint: chunks of a stream and the
 //! final object of a non-streaming response.
 
-use pdserve_text::Tokenizer;
 use pdserve_protocol::openai::{
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, Completion,
     CompletionChoice, CompletionLogprobs, Delta, ResponseMessage, TokenLogprob, TopLogprob, Usage,
     UsageField,
 };
+use pdserve_text::Tokenizer;
 use serde_json::Value;
 
 use super::choice::{token_text, TokenLp};

@@ -20,8 +20,8 @@ pub mod threads;
 mod weights;
 mod wire;
 
-pub use pdserve_text::{ChatMessage, ChatTemplate, ModelConfig, PromptError, Tokenizer};
 pub use error::{EngineError, Result};
 pub use kv::{KvDtype, KvError, KvLayout, KvPool, KvUsage, SeqKv};
 pub use model::{every_layer, LoadOptions, Logits, Model, OnLayer, Segment};
+pub use pdserve_text::{ChatMessage, ChatTemplate, ModelConfig, PromptError, Tokenizer};
 pub use weights::WeightFormat;

@@ -15,11 +15,11 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
 use crate::attention::{attention, rms_norm, swiglu, Heads, Rope, SeqView};
-use pdserve_text::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kv::{KvLayout, SeqKv};
 use crate::profile::{Stage, StageClock};
 use crate::weights::{dequantized, Linear, WeightFormat};
+use pdserve_text::ModelConfig;
 
 /// How to load a model.
 #[derive(Debug, Clone)]

@@ -14,10 +14,10 @@ mod ops;
 use std::borrow::Cow;
 
 pub use ops::uniform;
+use ops::{clean, draw_full, draw_truncated, needs_truncation, top_logprobs, LogitStats};
 pub use pdserve_text::sampling::{
     Sampled, SamplingError, SamplingParams, TokenCounts, MAX_TOP_LOGPROBS,
 };
-use ops::{clean, draw_full, draw_truncated, needs_truncation, top_logprobs, LogitStats};
 
 /// Samples one token from `logits` at absolute token `position`.
 ///

@@ -5,11 +5,11 @@ mod common;
 use std::ops::ControlFlow;
 
 use common::*;
-use pdserve_testkit::tiny::TinyModelSpec;
 use pdserve_engine::{
     every_layer, ChatMessage, EngineError, KvDtype, KvError, KvPool, Model, Segment, Tokenizer,
     WeightFormat,
 };
+use pdserve_testkit::tiny::TinyModelSpec;
 
 const FORMATS: [WeightFormat; 3] = [WeightFormat::Native, WeightFormat::Q8_0, WeightFormat::F32];
 

@@ -102,7 +102,10 @@ where
 {
     let until = Instant::now() + within;
     while !f().await {
-        assert!(Instant::now() < until, "condition not met within {within:?}");
+        assert!(
+            Instant::now() < until,
+            "condition not met within {within:?}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

@@ -170,7 +170,10 @@ pub async fn assert_refused_while_draining(resp: reqwest::Response) {
     assert_eq!(resp.status(), 503);
     assert!(resp.headers().contains_key("retry-after"));
     let e: ErrorBody = resp.json().await.expect("an error body");
-    assert_eq!((e.class, e.kind), (ErrorClass::Retryable, ErrorKind::NotReady));
+    assert_eq!(
+        (e.class, e.kind),
+        (ErrorClass::Retryable, ErrorKind::NotReady)
+    );
 }
 
 /// Whether the tests run in CI, where every optional tool is installed and

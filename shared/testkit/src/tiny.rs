@@ -202,7 +202,13 @@ fn weights(spec: &TinyModelSpec, vocab: usize) -> Vec<Tensor> {
         let values = rng.values(rows * cols, scale, offset);
         out.push(Tensor::matrix(name, rows, cols, &values, ty));
     };
-    add(&mut rng, "token_embd.weight".into(), (vocab, h), 1.0, GGML_Q8_0);
+    add(
+        &mut rng,
+        "token_embd.weight".into(),
+        (vocab, h),
+        1.0,
+        GGML_Q8_0,
+    );
     if !spec.tied_embeddings {
         add(&mut rng, "output.weight".into(), (vocab, h), 0.5, GGML_Q4_1);
     }

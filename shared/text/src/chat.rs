@@ -45,9 +45,7 @@ impl ChatTemplate {
             },
         );
         env.add_template_owned(NAME, source.to_string())
-            .map_err(|e| {
-                TextError::ChatTemplate(format!("cannot compile the template: {e:#}"))
-            })?;
+            .map_err(|e| TextError::ChatTemplate(format!("cannot compile the template: {e:#}")))?;
         Ok(Self {
             env,
             bos: bos_token.to_string(),

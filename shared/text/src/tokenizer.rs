@@ -187,15 +187,14 @@ fn strings(values: &[Value], what: &str) -> Result<Vec<String>> {
 }
 
 fn integers(v: &Value) -> Result<Vec<i64>> {
-    let items = v.as_array().ok_or_else(|| {
-        TextError::InvalidModel("tokenizer token_type is not an array".into())
-    })?;
+    let items = v
+        .as_array()
+        .ok_or_else(|| TextError::InvalidModel("tokenizer token_type is not an array".into()))?;
     items
         .iter()
         .map(|x| {
-            x.as_i64().ok_or_else(|| {
-                TextError::InvalidModel(format!("tokenizer token_type holds {x:?}"))
-            })
+            x.as_i64()
+                .ok_or_else(|| TextError::InvalidModel(format!("tokenizer token_type holds {x:?}")))
         })
         .collect()
 }

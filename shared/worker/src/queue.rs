@@ -108,7 +108,9 @@ impl<T> EngineQueue<T> {
     pub fn submit(&self, item: T, tokens: u64) -> Result<(), ErrorBody> {
         // Counted before it is sent: the engine may take it at once.
         self.stats.queued_requests.fetch_add(1, Ordering::Relaxed);
-        self.stats.queued_tokens.fetch_add(tokens, Ordering::Relaxed);
+        self.stats
+            .queued_tokens
+            .fetch_add(tokens, Ordering::Relaxed);
         let refused = match self.tx.try_send(item) {
             Ok(()) => return Ok(()),
             Err(mpsc::error::TrySendError::Full(_)) => {
@@ -137,7 +139,10 @@ mod tests {
         assert_eq!((s.queued_requests(), s.queued_tokens()), (1, 10));
         rx.try_recv().unwrap();
         s.taken(10, true);
-        assert_eq!((s.queued_requests(), s.queued_tokens(), s.running()), (0, 0, 1));
+        assert_eq!(
+            (s.queued_requests(), s.queued_tokens(), s.running()),
+            (0, 0, 1)
+        );
         assert_eq!(s.in_flight(), 1);
         drop(rx);
         assert_eq!(q.submit(3, 5).unwrap_err().kind, ErrorKind::EngineStopped);

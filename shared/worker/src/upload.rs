@@ -23,7 +23,10 @@ pub async fn upload(
         .send()
         .await
         .map_err(|e| {
-            ErrorBody::retryable(ErrorKind::KvUploadFailed, format!("sending KV to {url}: {e}"))
+            ErrorBody::retryable(
+                ErrorKind::KvUploadFailed,
+                format!("sending KV to {url}: {e}"),
+            )
         })?;
     if resp.status().is_success() {
         return Ok(());

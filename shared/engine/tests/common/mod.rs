@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
-use pdserve_testkit::tiny::{write_tiny_gguf, TinyModelSpec};
 use pdserve_engine::{KvPool, LoadOptions, Model, SeqKv, WeightFormat};
+use pdserve_testkit::tiny::{write_tiny_gguf, TinyModelSpec};
 
 #[allow(unused_imports)]
 pub use pdserve_testkit::real_model;

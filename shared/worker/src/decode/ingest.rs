@@ -55,7 +55,8 @@ pub(super) async fn ingest<B: DecodeBackend>(
             // until its lease ends (it may have ended during this ingest).
             pending.kv.reset();
             if pending.lease.expired() {
-                let detail = "the lease ended while a KV upload that then failed held the reservation";
+                let detail =
+                    "the lease ended while a KV upload that then failed held the reservation";
                 let _ = pending.events.send(expired_error(detail));
             } else if !pending.events.is_closed() {
                 server.pending().insert(request_id, pending);
@@ -78,15 +79,16 @@ async fn receive<B: DecodeBackend>(
     let mut stream = body.into_data_stream();
     let (mut bytes, mut dtype) = (0u64, KvDtype::F32);
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk
-            .map_err(|e| ErrorBody::retryable(ErrorKind::KvStreamBroken, e.to_string()))?;
+        let chunk =
+            chunk.map_err(|e| ErrorBody::retryable(ErrorKind::KvStreamBroken, e.to_string()))?;
         bytes += chunk.len() as u64;
         for event in decoder.push(&chunk).map_err(ErrorBody::from)? {
             match event {
                 KvEvent::Header(h) => {
                     kvwire::validate_against(&h, &expected).map_err(ErrorBody::from)?;
                     if h.n_tokens as usize != n_tokens {
-                        let msg = format!("KV for {} tokens, the prompt has {n_tokens}", h.n_tokens);
+                        let msg =
+                            format!("KV for {} tokens, the prompt has {n_tokens}", h.n_tokens);
                         return Err(ErrorBody::fatal(ErrorKind::KvMismatch, msg));
                     }
                     dtype = h.dtype;

@@ -57,7 +57,10 @@ impl<B: DecodeBackend> DecodeServer<B> {
     /// the entry is in.
     pub(super) fn start_lease(self: &Arc<Self>, request_id: &str, within: Duration) -> LeaseTimer {
         let id = NEXT_LEASE.fetch_add(1, Ordering::Relaxed);
-        let task = tokio::spawn(self.clone().release_late(request_id.to_string(), id, within));
+        let task = tokio::spawn(
+            self.clone()
+                .release_late(request_id.to_string(), id, within),
+        );
         LeaseTimer {
             id,
             until: Instant::now() + within,
@@ -74,7 +77,9 @@ impl<B: DecodeBackend> DecodeServer<B> {
             if let Some(p) = map.remove(&request_id) {
                 tracing::warn!(request_id = %request_id, "KV lease expired: releasing the reservation");
                 let ms = within.as_millis();
-                let _ = p.events.send(expired_error(format!("the KV did not arrive within {ms} ms")));
+                let _ = p.events.send(expired_error(format!(
+                    "the KV did not arrive within {ms} ms"
+                )));
             }
         }
     }

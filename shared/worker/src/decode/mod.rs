@@ -154,9 +154,18 @@ impl<B: DecodeBackend> DecodeServer<B> {
             .route("/v1/internal/generate", post(generate::generate::<B>))
             .route("/v1/internal/kv/{request_id}", post(ingest::ingest::<B>))
             .route("/health", get(|| async { "ok" }))
-            .route("/ready", get(|State(s): State<Arc<Self>>| async move { s.readiness.status() }))
-            .route("/load", get(|State(s): State<Arc<Self>>| async move { Json(s.load_report()) }))
-            .route("/metrics", get(|State(s): State<Arc<Self>>| async move { s.metrics_page() }))
+            .route(
+                "/ready",
+                get(|State(s): State<Arc<Self>>| async move { s.readiness.status() }),
+            )
+            .route(
+                "/load",
+                get(|State(s): State<Arc<Self>>| async move { Json(s.load_report()) }),
+            )
+            .route(
+                "/metrics",
+                get(|State(s): State<Arc<Self>>| async move { s.metrics_page() }),
+            )
             .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
             .with_state(self.clone())
     }

@@ -36,7 +36,10 @@ impl<B: PrefillBackend> JobGuard<B> {
         let mut jobs = server.jobs();
         if jobs.contains_key(id) {
             let msg = "a job with this id is in progress";
-            return Err(ApiError(ErrorBody::fatal(ErrorKind::DuplicateRequestId, msg)));
+            return Err(ApiError(ErrorBody::fatal(
+                ErrorKind::DuplicateRequestId,
+                msg,
+            )));
         }
         jobs.insert(id.to_string(), cancel.clone());
         Ok(Self {

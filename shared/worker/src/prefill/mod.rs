@@ -129,10 +129,19 @@ impl<B: PrefillBackend> PrefillServer<B> {
     pub fn routes(self: &Arc<Self>) -> Router {
         Router::new()
             .route("/v1/internal/prefill", post(handler::prefill::<B>))
-            .route("/v1/internal/prefill/{request_id}", delete(handler::cancel::<B>))
+            .route(
+                "/v1/internal/prefill/{request_id}",
+                delete(handler::cancel::<B>),
+            )
             .route("/health", get(|| async { "ok" }))
-            .route("/ready", get(|State(s): State<Arc<Self>>| async move { s.readiness.status() }))
-            .route("/load", get(|State(s): State<Arc<Self>>| async move { Json(s.load_report()) }))
+            .route(
+                "/ready",
+                get(|State(s): State<Arc<Self>>| async move { s.readiness.status() }),
+            )
+            .route(
+                "/load",
+                get(|State(s): State<Arc<Self>>| async move { Json(s.load_report()) }),
+            )
             .route(
                 "/metrics",
                 get(|State(s): State<Arc<Self>>| async move {
