@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use pdserve_engine::{KvDtype as EngineDtype, KvPool, Model, ModelConfig, SeqKv};
 use pdserve_protocol::internal::ErrorBody;
-use pdserve_protocol::kvwire::{KvDtype, KvShape};
-use pdserve_worker::decode::{DecodeBackend, DecodeJob, DecodeMetrics, KvImport};
+use pdserve_protocol::kvwire::KvShape;
+use pdserve_worker::decode::{DecodeBackend, DecodeJob, DecodeMetrics, KvImport, KvRows};
 use pdserve_worker::queue::{EngineQueue, EngineStats};
 
 use crate::engine::{EngineConfig, Scheduler};
@@ -16,18 +16,10 @@ use crate::engine::{EngineConfig, Scheduler};
 pub struct RealKv(pub SeqKv);
 
 impl KvImport for RealKv {
-    fn import(
-        &mut self,
-        layer: usize,
-        dtype: KvDtype,
-        start: usize,
-        n: usize,
-        k: &[u8],
-        v: &[u8],
-    ) -> Result<(), ErrorBody> {
-        let dtype = EngineDtype::from(dtype);
+    fn import(&mut self, r: KvRows<'_>) -> Result<(), ErrorBody> {
+        let dtype = EngineDtype::from(r.dtype);
         self.0
-            .import_rows(layer, dtype, start, n, k, v)
+            .import_rows(r.layer, dtype, r.start, r.n, r.k, r.v)
             .map_err(|e| ErrorBody::from(&e))
     }
 
@@ -50,18 +42,12 @@ pub struct RealDecode {
 }
 
 impl RealDecode {
-    /// Starts the scheduler thread over `model` with a KV budget of
-    /// `kv_tokens`; `eos` ends a sequence unless it asks to ignore it.
-    pub fn spawn(
-        model: Arc<Model>,
-        eos: u32,
-        kv_tokens: usize,
-        cfg: EngineConfig,
-        metrics: Arc<DecodeMetrics>,
-    ) -> Self {
-        let (queue, rx) = EngineQueue::new(cfg.queue_capacity);
+    /// Starts the scheduler thread over `model`; `eos` ends a sequence
+    /// unless it asks to ignore it.
+    pub fn spawn(model: Arc<Model>, eos: u32, cfg: EngineConfig, metrics: Arc<DecodeMetrics>) -> Self {
+        let (queue, rx) = EngineQueue::new(cfg.limits.max_queue);
         let stats = queue.stats().clone();
-        let pool = KvPool::new(model.kv_layout(), kv_tokens);
+        let pool = KvPool::new(model.kv_layout(), cfg.limits.kv_cache_tokens);
         Scheduler::spawn(model.clone(), eos, cfg, metrics, stats, rx);
         Self { model, pool, queue }
     }

@@ -2,6 +2,7 @@
 
 use clap::Parser;
 use pdserve_engine::args::ModelArgs;
+use pdserve_worker::decode::DecodeArgs;
 use pdserve_worker::ServerArgs;
 
 /// pdserve decode worker.
@@ -13,18 +14,8 @@ pub struct Args {
     pub port: u16,
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Sequences per decode step at most.
-    #[arg(long, env = "PDSERVE_MAX_BATCH", default_value_t = 32)]
-    pub max_batch: usize,
-    /// KV cache budget in tokens (each token costs 46 KB for the default model).
-    #[arg(long, env = "PDSERVE_KV_CACHE_TOKENS", default_value_t = 65_536)]
-    pub kv_cache_tokens: usize,
-    /// Prompt tokens per local prefill chunk.
-    #[arg(long, env = "PDSERVE_PREFILL_CHUNK_TOKENS", default_value_t = 512)]
-    pub prefill_chunk_tokens: usize,
-    /// Sequences that may wait for the engine before requests are refused.
-    #[arg(long, env = "PDSERVE_MAX_QUEUE", default_value_t = 256)]
-    pub max_queue: usize,
+    #[command(flatten)]
+    pub decode: DecodeArgs,
     /// Peak memory bandwidth of this machine in GB/s, for the bandwidth-utilisation (MBU) estimate.
     #[arg(
         long,

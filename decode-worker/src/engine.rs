@@ -14,22 +14,17 @@ use std::time::Instant;
 use pdserve_engine::sampler::{sample, Sampled, SamplingParams, TokenCounts};
 use pdserve_engine::{Model, SeqKv};
 use pdserve_protocol::internal::{ErrorBody, ErrorClass, ErrorKind};
-use pdserve_runtime::metrics::labels;
-use pdserve_worker::decode::{DecodeJob, DecodeMetrics, Outcome, SeqStream};
+use pdserve_worker::decode::{DecodeArgs, DecodeJob, DecodeMetrics, Outcome, SeqStream, retire_closed};
 use pdserve_worker::queue::EngineStats;
 use tokio::sync::mpsc;
 
 use crate::backend::RealKv;
 
-/// Scheduler limits.
+/// Scheduler settings.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// Sequences per decode step at most.
-    pub max_batch: usize,
-    /// Prompt tokens per local prefill chunk.
-    pub prefill_chunk_tokens: usize,
-    /// Sequences that may wait in the intake channel.
-    pub queue_capacity: usize,
+    /// Batch size, KV budget, prefill chunk and queue length.
+    pub limits: DecodeArgs,
     /// Peak memory bandwidth, for the MBU estimate.
     pub peak_bytes_per_second: f64,
 }
@@ -128,15 +123,12 @@ impl Scheduler {
 
     /// One scheduling round: a prefill chunk, admission, a decode step.
     fn iteration(&mut self) {
-        let before = self.active.len() + self.waiting.len();
-        self.active.retain(|s| !s.stream.is_closed());
-        self.waiting.retain(|s| !s.stream.is_closed());
-        let gone = before - self.active.len() - self.waiting.len();
-        self.metrics.finished(labels::STATUS_CANCELLED, gone as u64);
-        if self.active.len() < self.cfg.max_batch {
+        let (active, waiting) = (&mut self.active, &mut self.waiting);
+        retire_closed(active, waiting, |s| &s.stream, &self.metrics);
+        if self.active.len() < self.cfg.limits.max_batch {
             self.prefill_chunk();
         }
-        while self.active.len() < self.cfg.max_batch {
+        while self.active.len() < self.cfg.limits.max_batch {
             match self.waiting.iter().position(|s| s.last.is_some()) {
                 Some(i) => self.active.extend(self.waiting.remove(i)),
                 None => break,
@@ -152,7 +144,7 @@ impl Scheduler {
         let Some(i) = self.waiting.iter().position(|s| s.last.is_none()) else {
             return;
         };
-        let chunk = self.cfg.prefill_chunk_tokens.max(1);
+        let chunk = self.cfg.limits.prefill_chunk_tokens.max(1);
         let started = Instant::now();
         let seq = &mut self.waiting[i];
         let end = (seq.prefilled + chunk).min(seq.prompt.len());

@@ -27,11 +27,9 @@ pub fn build(
 ) -> Arc<DecodeServer<RealDecode>> {
     let metrics = Arc::new(DecodeMetrics::new());
     let cfg = EngineConfig {
-        max_batch: args.max_batch,
-        prefill_chunk_tokens: args.prefill_chunk_tokens,
-        queue_capacity: args.max_queue,
+        limits: args.decode.clone(),
         peak_bytes_per_second: args.peak_memory_bandwidth_gbps * 1e9,
     };
-    let backend = RealDecode::spawn(model, eos, args.kv_cache_tokens, cfg, metrics.clone());
+    let backend = RealDecode::spawn(model, eos, cfg, metrics.clone());
     DecodeServer::new(backend, metrics, public_url)
 }

@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use pdserve_worker::Served;
 use futures_util::StreamExt;
 use pdserve_engine::KvDtype;
 use pdserve_protocol::internal::{ErrorKind, FinishReason, GenerateEvent, KvSource};

@@ -110,7 +110,36 @@ fn measure(
 ) -> Result<KvResult> {
     let pool = KvPool::new(layout, tokens * 4);
     let src = filled(&pool, tokens)?;
-    let header = KvHeader {
+    let header = header(layout, tokens, dtype);
+    let mut times = Times::default();
+    let mut bytes = 0;
+    for _ in 0..=reps {
+        bytes = round_trip(&pool, &src, &header, dtype, tokens, &mut times)?;
+    }
+    // The first run is a warm-up.
+    let ms = |v: Vec<f64>| median(v[1..].to_vec()) * 1e3;
+    Ok(KvResult {
+        dtype: name,
+        tokens,
+        bytes,
+        export_ms: ms(times.export),
+        encode_ms: ms(times.encode),
+        decode_ms: ms(times.decode),
+        import_ms: ms(times.import),
+    })
+}
+
+/// Seconds each step of every round trip took.
+#[derive(Default)]
+struct Times {
+    export: Vec<f64>,
+    encode: Vec<f64>,
+    decode: Vec<f64>,
+    import: Vec<f64>,
+}
+
+fn header(layout: KvLayout, tokens: usize, dtype: KvDtype) -> KvHeader {
+    KvHeader {
         request_id: "bench".into(),
         model_fingerprint: 1,
         dtype: dtype.into(),
@@ -119,58 +148,75 @@ fn measure(
         head_dim: layout.head_dim as u32,
         n_tokens: tokens as u32,
         seed: 0,
-    };
-    let (mut export, mut encode, mut decode, mut import) = (vec![], vec![], vec![], vec![]);
-    let mut bytes = 0;
-    for _ in 0..=reps {
-        let t = Instant::now();
-        let layers: Vec<(Vec<u8>, Vec<u8>)> = (0..layout.n_layers)
-            .map(|l| {
-                let (mut k, mut v) = (Vec::new(), Vec::new());
-                src.export_rows(l, dtype, 0, tokens, &mut k, &mut v)
-                    .map(|_| (k, v))
-            })
-            .collect::<Result<_, _>>()?;
-        export.push(t.elapsed().as_secs_f64());
-        let t = Instant::now();
-        let mut stream = kvwire::encode_header(&header)?;
-        for (l, (k, v)) in layers.iter().enumerate() {
-            kvwire::encode_layer_parts(l as u32, 0, tokens as u32, &[(k, v)], &mut stream)?;
-        }
-        stream.extend(kvwire::encode_end(&KvTrailer {
-            first_token: 0,
-            first_logprob: 0.0,
-            top_logprobs: vec![],
-        })?);
-        encode.push(t.elapsed().as_secs_f64());
-        bytes = stream.len();
-        let t = Instant::now();
-        let events = KvStreamDecoder::new(KvLimits::default()).push(&stream)?;
-        decode.push(t.elapsed().as_secs_f64());
-        let t = Instant::now();
-        let mut dst = pool.allocate(tokens)?;
-        for e in &events {
-            if let KvEvent::Layers(f) = e {
-                let (k, v) = f
-                    .layer_kv(f.layer_start)
-                    .context("frame without its layer")?;
-                dst.import_rows(f.layer_start as usize, dtype, 0, tokens, k, v)?;
-            }
-        }
-        dst.finish_import(tokens)?;
-        import.push(t.elapsed().as_secs_f64());
     }
-    // The first run is a warm-up.
-    let ms = |v: Vec<f64>| median(v[1..].to_vec()) * 1e3;
-    Ok(KvResult {
-        dtype: name,
-        tokens,
-        bytes,
-        export_ms: ms(export),
-        encode_ms: ms(encode),
-        decode_ms: ms(decode),
-        import_ms: ms(import),
-    })
+}
+
+/// Runs `f`, adding the seconds it took to `samples`.
+fn timed<T>(samples: &mut Vec<f64>, f: impl FnOnce() -> T) -> T {
+    let t = Instant::now();
+    let out = f();
+    samples.push(t.elapsed().as_secs_f64());
+    out
+}
+
+/// One timed export, encode, decode and import of `src`; returns the size
+/// of the encoded stream. Buffers are freed after the timed steps.
+fn round_trip(
+    pool: &KvPool,
+    src: &SeqKv,
+    header: &KvHeader,
+    dtype: KvDtype,
+    tokens: usize,
+    times: &mut Times,
+) -> Result<usize> {
+    let layers = timed(&mut times.export, || export(src, dtype, tokens))?;
+    let stream = timed(&mut times.encode, || encode(header, &layers, tokens))?;
+    let events = timed(&mut times.decode, || {
+        KvStreamDecoder::new(KvLimits::default()).push(&stream)
+    })?;
+    let _dst = timed(&mut times.import, || import(pool, &events, dtype, tokens))?;
+    Ok(stream.len())
+}
+
+/// Every layer's K and V rows of `src`, as bytes of `dtype`.
+fn export(src: &SeqKv, dtype: KvDtype, tokens: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    let layers = (0..src.layout().n_layers)
+        .map(|l| {
+            let (mut k, mut v) = (Vec::new(), Vec::new());
+            src.export_rows(l, dtype, 0, tokens, &mut k, &mut v)
+                .map(|_| (k, v))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(layers)
+}
+
+/// A whole KV stream: header, one frame per layer, trailer.
+fn encode(header: &KvHeader, layers: &[(Vec<u8>, Vec<u8>)], tokens: usize) -> Result<Vec<u8>> {
+    let mut stream = kvwire::encode_header(header)?;
+    for (l, (k, v)) in layers.iter().enumerate() {
+        kvwire::encode_layer_parts(l as u32, 0, tokens as u32, &[(k, v)], &mut stream)?;
+    }
+    stream.extend(kvwire::encode_end(&KvTrailer {
+        first_token: 0,
+        first_logprob: 0.0,
+        top_logprobs: vec![],
+    })?);
+    Ok(stream)
+}
+
+/// A new sequence of `pool` holding the layers of the decoded `events`.
+fn import(pool: &KvPool, events: &[KvEvent], dtype: KvDtype, tokens: usize) -> Result<SeqKv> {
+    let mut dst = pool.allocate(tokens)?;
+    for e in events {
+        if let KvEvent::Layers(f) = e {
+            let (k, v) = f
+                .layer_kv(f.layer_start)
+                .context("frame without its layer")?;
+            dst.import_rows(f.layer_start as usize, dtype, 0, tokens, k, v)?;
+        }
+    }
+    dst.finish_import(tokens)?;
+    Ok(dst)
 }
 
 #[cfg(test)]

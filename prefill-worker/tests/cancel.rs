@@ -10,6 +10,7 @@ use clap::Parser;
 use common::*;
 use pdserve_prefill::EngineHandle;
 use pdserve_protocol::internal::{ErrorBody, ErrorKind};
+use pdserve_worker::Served;
 use pdserve_testkit::http::serve;
 use pdserve_testkit::tiny::TinyModelSpec;
 use pdserve_worker::prefill::{PrefillBackend, PrefillMetrics};

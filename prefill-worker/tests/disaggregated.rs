@@ -9,6 +9,7 @@ use pdserve_protocol::internal::{
     ErrorBody, ErrorKind, GenerateEvent, GenerateRequest, KvSource, PrefillJob, PrefillResult,
     SamplingSpec,
 };
+use pdserve_worker::Served;
 use pdserve_testkit::http::{metrics, post, serve};
 use pdserve_testkit::ndjson::{token_ids, Lines};
 use pdserve_testkit::tiny::{TinyModel, TINY_EOS};

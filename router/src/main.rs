@@ -6,6 +6,7 @@ use clap::Parser;
 use pdserve_protocol::internal::Pool;
 use pdserve_router::autoscaler::{self, Executor, ExecutorKind, ExportOnly, LocalExecutor};
 use pdserve_router::supervisor::{Supervisor, SupervisorConfig};
+use pdserve_router::http::AppState;
 use pdserve_router::{build_app, build_state, discovery, discovery_config, Args};
 use tokio_util::sync::CancellationToken;
 
@@ -27,24 +28,8 @@ async fn main() -> anyhow::Result<()> {
         shutdown.clone(),
     );
     let drain = Duration::from_secs(args.drain_seconds);
-    let local = (args.local.local_prefill + args.local.local_decode > 0).then(|| {
-        let router_url = format!("http://127.0.0.1:{}", addr.port());
-        let cfg = SupervisorConfig::new(&args.local, &args.model, router_url, drain);
-        tracing::info!(?cfg, "starting local workers");
-        let sup = Supervisor::new(cfg);
-        (0..args.local.local_prefill).for_each(|_| sup.spawn(Pool::Prefill));
-        (0..args.local.local_decode).for_each(|_| sup.spawn(Pool::Decode));
-        sup
-    });
-    let executor: Arc<dyn Executor> = match (args.autoscaler.autoscaler_executor, &local) {
-        (Some(ExecutorKind::Local) | None, Some(sup)) => Arc::new(LocalExecutor(sup.clone())),
-        (Some(ExecutorKind::Local), None) => {
-            anyhow::bail!(
-                "--autoscaler-executor local needs local workers (--local-prefill/--local-decode)"
-            )
-        }
-        (_, _) => Arc::new(ExportOnly(state.registry.clone())),
-    };
+    let local = local_workers(&args, addr.port(), drain);
+    let executor = executor(&args, &state, local.as_ref())?;
     autoscaler::spawn(
         state.registry.clone(),
         state.metrics.clone(),
@@ -53,10 +38,57 @@ async fn main() -> anyhow::Result<()> {
         shutdown.clone(),
     );
     tracing::info!(%addr, model = %state.frontend.model_name, "listening");
+    serve(listener, state, shutdown, drain).await?;
+    if let Some(sup) = local {
+        sup.shutdown().await;
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Starts the local workers the flags ask for, registering with this router.
+fn local_workers(args: &Args, port: u16, drain: Duration) -> Option<Arc<Supervisor>> {
+    if args.local.local_prefill + args.local.local_decode == 0 {
+        return None;
+    }
+    let router_url = format!("http://127.0.0.1:{port}");
+    let cfg = SupervisorConfig::new(&args.local, &args.model, router_url, drain);
+    tracing::info!(?cfg, "starting local workers");
+    let sup = Supervisor::new(cfg);
+    (0..args.local.local_prefill).for_each(|_| sup.spawn(Pool::Prefill));
+    (0..args.local.local_decode).for_each(|_| sup.spawn(Pool::Decode));
+    Some(sup)
+}
+
+/// What carries out the autoscaler's decisions: the local supervisor, or
+/// nobody (the decisions are only exported, for KEDA).
+fn executor(
+    args: &Args,
+    state: &AppState,
+    local: Option<&Arc<Supervisor>>,
+) -> anyhow::Result<Arc<dyn Executor>> {
+    Ok(match (args.autoscaler.autoscaler_executor, local) {
+        (Some(ExecutorKind::Local) | None, Some(sup)) => Arc::new(LocalExecutor(sup.clone())),
+        (Some(ExecutorKind::Local), None) => {
+            anyhow::bail!(
+                "--autoscaler-executor local needs local workers (--local-prefill/--local-decode)"
+            )
+        }
+        (_, _) => Arc::new(ExportOnly(state.registry.clone())),
+    })
+}
+
+/// Serves until `shutdown`, then refuses new requests and lets those in
+/// flight finish, for at most `drain`.
+async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: CancellationToken,
+    drain: Duration,
+) -> std::io::Result<()> {
     let s = state.clone();
-    let token = shutdown.clone();
     let graceful = async move {
-        token.cancelled().await;
+        shutdown.cancelled().await;
         s.admission.stop_accepting();
         let until = Instant::now() + drain;
         while Instant::now() < until && s.admission.in_flight() > 0 {
@@ -69,10 +101,5 @@ async fn main() -> anyhow::Result<()> {
         build_app(state),
     )
     .with_graceful_shutdown(graceful)
-    .await?;
-    if let Some(sup) = local {
-        sup.shutdown().await;
-    }
-    tracing::info!("stopped");
-    Ok(())
+    .await
 }

@@ -11,6 +11,7 @@ use prometheus::{
 
 use crate::registry;
 
+/// What users see, where the time goes, and the calls to workers.
 pub struct RouterMetrics {
     pub registry: Registry,
     pub ttft: HistogramVec,
@@ -23,6 +24,12 @@ pub struct RouterMetrics {
     pub in_flight: IntGauge,
     pub prefill_retries: IntCounter,
     pub worker_errors: IntCounterVec,
+    /// The pools, from the workers' load reports, and the autoscaler.
+    pub pools: PoolMetrics,
+}
+
+/// The pools' series: their load, their workers, the autoscaling signals.
+pub struct PoolMetrics {
     pub queue_depth: IntGaugeVec,
     pub queue_depth_tokens: IntGaugeVec,
     pub active_sequences: IntGaugeVec,
@@ -42,7 +49,6 @@ pub fn pool_label(pool: Pool) -> &'static str {
 impl RouterMetrics {
     pub fn new() -> Self {
         let r = Registry::new();
-        let pool = &["pool"];
         Self {
             ttft: m::histogram_vec(
                 &r,
@@ -91,52 +97,28 @@ impl RouterMetrics {
                 "Failed calls to workers, by pool and error code.",
                 &["pool", "code"],
             ),
-            queue_depth: m::int_gauge_vec(&r, m::QUEUE_DEPTH, "Requests queued in the pool's workers.", pool),
-            queue_depth_tokens: m::int_gauge_vec(
-                &r,
-                m::QUEUE_DEPTH_TOKENS,
-                "Prompt tokens queued in the pool's workers.",
-                pool,
-            ),
-            active_sequences: m::int_gauge_vec(
-                &r,
-                m::ACTIVE_SEQUENCES,
-                "Sequences running in the pool's workers.",
-                pool,
-            ),
-            workers: m::int_gauge_vec(&r, m::WORKERS, "Workers by pool and state.", &["pool", "state"]),
-            prefill_backlog: m::gauge(
-                &r,
-                m::PREFILL_BACKLOG_SECONDS,
-                "Pending prompt tokens over one prefill replica's throughput: the prefill autoscaling signal.",
-            ),
-            pool_kv_usage: m::gauge_vec(&r, m::POOL_KV_USAGE_RATIO, "KV cache in use across the pool's workers.", pool),
-            desired_replicas: m::int_gauge_vec(
-                &r,
-                m::AUTOSCALER_DESIRED_REPLICAS,
-                "The autoscaler's decision per pool.",
-                pool,
-            ),
+            pools: PoolMetrics::new(&r),
             registry: r,
         }
     }
 
     /// Copies the pools' state from the registry (before each scrape).
     pub fn refresh(&self, workers: &registry::Registry) {
+        let p = &self.pools;
         for pool in [Pool::Prefill, Pool::Decode] {
             let label = pool_label(pool);
             let load = workers.pool_load(pool);
-            self.queue_depth
+            p.queue_depth
                 .with_label_values(&[label])
                 .set(load.queued_requests as i64);
-            self.queue_depth_tokens
+            p.queue_depth_tokens
                 .with_label_values(&[label])
                 .set(load.queued_tokens as i64);
-            self.active_sequences
+            p.active_sequences
                 .with_label_values(&[label])
                 .set(load.active_sequences as i64);
             for (health, n) in workers.counts(pool) {
-                self.workers
+                p.workers
                     .with_label_values(&[label, health.label()])
                     .set(n as i64);
             }
@@ -146,6 +128,40 @@ impl RouterMetrics {
     pub fn render(&self, workers: &registry::Registry) -> String {
         self.refresh(workers);
         m::render(&self.registry)
+    }
+}
+
+impl PoolMetrics {
+    fn new(r: &Registry) -> Self {
+        let pool = &["pool"];
+        Self {
+            queue_depth: m::int_gauge_vec(r, m::QUEUE_DEPTH, "Requests queued in the pool's workers.", pool),
+            queue_depth_tokens: m::int_gauge_vec(
+                r,
+                m::QUEUE_DEPTH_TOKENS,
+                "Prompt tokens queued in the pool's workers.",
+                pool,
+            ),
+            active_sequences: m::int_gauge_vec(
+                r,
+                m::ACTIVE_SEQUENCES,
+                "Sequences running in the pool's workers.",
+                pool,
+            ),
+            workers: m::int_gauge_vec(r, m::WORKERS, "Workers by pool and state.", &["pool", "state"]),
+            prefill_backlog: m::gauge(
+                r,
+                m::PREFILL_BACKLOG_SECONDS,
+                "Pending prompt tokens over one prefill replica's throughput: the prefill autoscaling signal.",
+            ),
+            pool_kv_usage: m::gauge_vec(r, m::POOL_KV_USAGE_RATIO, "KV cache in use across the pool's workers.", pool),
+            desired_replicas: m::int_gauge_vec(
+                r,
+                m::AUTOSCALER_DESIRED_REPLICAS,
+                "The autoscaler's decision per pool.",
+                pool,
+            ),
+        }
     }
 }
 

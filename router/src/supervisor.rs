@@ -58,7 +58,8 @@ pub struct SupervisorConfig {
     pub router_url: String,
     pub weights: String,
     pub threads: usize,
-    /// Cores to pin worker `k` to: `k*threads .. (k+1)*threads`, when they fit.
+    /// Pin each worker to cores of its own, `k*threads .. (k+1)*threads`
+    /// for the lowest slot `k` no live worker holds, when they fit.
     pub pin: bool,
     pub kv_cache_tokens: usize,
     pub drain: Duration,
@@ -85,7 +86,7 @@ impl SupervisorConfig {
             router_url,
             weights: args.worker_weights.clone(),
             threads,
-            pin: threads * workers <= cores,
+            pin: threads <= cores,
             kv_cache_tokens: args.worker_kv_cache_tokens,
             drain,
             engine: args.local_engine,
@@ -95,6 +96,8 @@ impl SupervisorConfig {
 
 struct Slot {
     pool: Pool,
+    /// Its cores' slot (see [`cores_of`]); a restart keeps it.
+    core_slot: usize,
     stop: CancellationToken,
     task: JoinHandle<()>,
 }
@@ -107,10 +110,22 @@ pub struct Supervisor {
 #[derive(Default)]
 struct Slots {
     running: Vec<Slot>,
-    /// Workers told to drain, until they exit.
-    draining: Vec<JoinHandle<()>>,
-    /// Workers started so far: each gets its own cores.
-    started: usize,
+    /// Workers told to drain, until they exit, with their core slots.
+    draining: Vec<(usize, JoinHandle<()>)>,
+}
+
+impl Slots {
+    /// The lowest core slot that no live worker (running or draining) holds.
+    fn free_core_slot(&mut self) -> usize {
+        self.draining.retain(|(_, t)| !t.is_finished());
+        let held: Vec<usize> = self
+            .running
+            .iter()
+            .map(|s| s.core_slot)
+            .chain(self.draining.iter().map(|d| d.0))
+            .collect();
+        lowest_free(&held)
+    }
 }
 
 impl Supervisor {
@@ -128,14 +143,17 @@ impl Supervisor {
     /// Starts one more supervised worker of `pool`.
     pub fn spawn(self: &Arc<Self>, pool: Pool) {
         let mut slots = self.slots();
-        let ordinal = slots.started;
-        slots.started += 1;
-        slots.draining.retain(|t| !t.is_finished());
+        let core_slot = slots.free_core_slot();
         let stop = CancellationToken::new();
         let me = self.clone();
         let token = stop.clone();
-        let task = tokio::spawn(async move { me.supervise(pool, ordinal, token).await });
-        slots.running.push(Slot { pool, stop, task });
+        let task = tokio::spawn(async move { me.supervise(pool, core_slot, token).await });
+        slots.running.push(Slot {
+            pool,
+            core_slot,
+            stop,
+            task,
+        });
     }
 
     /// Drains the newest worker of `pool`: SIGTERM, so it stops taking work,
@@ -145,7 +163,7 @@ impl Supervisor {
         if let Some(i) = slots.running.iter().rposition(|s| s.pool == pool) {
             let slot = slots.running.remove(i);
             slot.stop.cancel();
-            slots.draining.push(slot.task);
+            slots.draining.push((slot.core_slot, slot.task));
         }
     }
 
@@ -158,7 +176,7 @@ impl Supervisor {
             .count()
     }
 
-    fn command(&self, pool: Pool, ordinal: usize) -> Command {
+    fn command(&self, pool: Pool, core_slot: usize) -> Command {
         let c = &self.cfg;
         let (bin, pool_arg) = match (c.engine, pool) {
             (LocalEngine::Real, Pool::Prefill) => ("pdserve-prefill", None),
@@ -187,18 +205,19 @@ impl Supervisor {
         if c.engine == LocalEngine::Real {
             cmd.args(["--weights", &c.weights])
                 .args(["--threads", &c.threads.to_string()]);
-            if c.pin {
-                pin_to_cores(&mut cmd, ordinal * c.threads, c.threads);
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if let Some(set) = cores_of(core_slot, c.threads, cores).filter(|_| c.pin) {
+                pin_to_cores(&mut cmd, set);
             }
         }
         cmd
     }
 
     /// Runs one worker until stopped, restarting it when it exits on its own.
-    async fn supervise(self: Arc<Self>, pool: Pool, ordinal: usize, stop: CancellationToken) {
+    async fn supervise(self: Arc<Self>, pool: Pool, core_slot: usize, stop: CancellationToken) {
         let mut backoff = Duration::from_millis(500);
         loop {
-            let mut child = match self.command(pool, ordinal).spawn() {
+            let mut child = match self.command(pool, core_slot).spawn() {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::error!(?pool, dir = %self.cfg.bin_dir.display(), "cannot start a worker: {e}");
@@ -259,7 +278,7 @@ impl Supervisor {
             .running
             .into_iter()
             .map(|s| s.task)
-            .chain(slots.draining);
+            .chain(slots.draining.into_iter().map(|d| d.1));
         for t in tasks {
             let _ = t.await;
         }
@@ -282,22 +301,61 @@ fn log_exit(pool: Pool, status: std::io::Result<ExitStatus>) {
     }
 }
 
-/// Restricts the child to cores `first .. first + n` (mod the core count).
-fn pin_to_cores(cmd: &mut Command, first: usize, n: usize) {
-    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    let set: Vec<usize> = (first..first + n).map(|c| c % cores).collect();
+/// The lowest slot not in `held`.
+fn lowest_free(held: &[usize]) -> usize {
+    (0..).find(|k| !held.contains(k)).unwrap_or(0)
+}
+
+/// The cores of core slot `slot` for workers of `threads` threads, when
+/// they fit on a machine of `cores`; none (no pinning) when they do not.
+fn cores_of(slot: usize, threads: usize, cores: usize) -> Option<std::ops::Range<usize>> {
+    let first = slot.checked_mul(threads)?;
+    let end = first.checked_add(threads)?;
+    (threads > 0 && end <= cores).then_some(first..end)
+}
+
+/// Restricts the child to the cores of `set`.
+fn pin_to_cores(cmd: &mut Command, set: std::ops::Range<usize>) {
     // SAFETY: the closure runs in the child between fork and exec and only
     // calls sched_setaffinity(2), which is async-signal-safe; the cpu_set_t
     // lives on the child's stack.
     unsafe {
         cmd.pre_exec(move || {
             let mut mask: libc::cpu_set_t = std::mem::zeroed();
-            for &c in &set {
+            for c in set.clone() {
                 libc::CPU_SET(c, &mut mask);
             }
             // Best effort: a failure (e.g. a restricted cpuset) leaves the default.
             libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mask);
             Ok(())
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_worker_takes_the_lowest_core_slot_no_live_worker_holds() {
+        assert_eq!(lowest_free(&[]), 0);
+        assert_eq!(lowest_free(&[0, 1]), 2);
+        // Worker 0 drained and exited: the next one reuses its cores.
+        assert_eq!(lowest_free(&[1, 2]), 0);
+        assert_eq!(lowest_free(&[0, 2]), 1);
+    }
+
+    #[test]
+    fn workers_are_pinned_only_to_cores_that_exist() {
+        assert_eq!(cores_of(0, 1, 2), Some(0..1));
+        assert_eq!(cores_of(1, 1, 2), Some(1..2));
+        assert_eq!(
+            cores_of(2, 1, 2),
+            None,
+            "a third worker on two cores is not pinned"
+        );
+        assert_eq!(cores_of(1, 2, 4), Some(2..4));
+        assert_eq!(cores_of(1, 2, 3), None);
+        assert_eq!(cores_of(0, 0, 2), None);
     }
 }

@@ -9,6 +9,7 @@ use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
 use pdserve_engine::{KvDtype, KvPool, LoadOptions, Model, WeightFormat};
 use pdserve_protocol::internal::{GenerateRequest, KvSource, SamplingSpec};
 use pdserve_protocol::kvwire::{self, KvTrailer};
+use pdserve_worker::Served;
 use pdserve_testkit::tiny::{TinyModel, TINY_EOS};
 use pdserve_worker::decode::DecodeServer;
 

@@ -6,8 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use pdserve_protocol::internal::{ErrorBody, ErrorKind};
-use pdserve_protocol::kvwire::KvDtype;
-use pdserve_worker::decode::KvImport;
+use pdserve_worker::decode::{KvImport, KvRows};
 
 /// Why a reservation was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -101,15 +100,7 @@ pub struct Reservation {
 /// A mock keeps no KV: the worker layer has decoded and checked every
 /// frame (place, size, CRC) before handing it here, and the bytes are dropped.
 impl KvImport for Reservation {
-    fn import(
-        &mut self,
-        _layer: usize,
-        _dtype: KvDtype,
-        _start: usize,
-        _n: usize,
-        _k: &[u8],
-        _v: &[u8],
-    ) -> Result<(), ErrorBody> {
+    fn import(&mut self, _rows: KvRows<'_>) -> Result<(), ErrorBody> {
         Ok(())
     }
 

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args as ClapArgs, Parser, ValueEnum};
 use pdserve_protocol::kvwire::KvDtype;
+use pdserve_worker::decode::DecodeArgs;
 use pdserve_worker::ServerArgs;
 
 use crate::latency::{read_profile, FitError, LatencyModel};
@@ -31,18 +32,10 @@ pub struct Args {
     /// GGUF file whose header gives the shape (layers, KV heads, head dim, vocabulary, context); its weights are never read.
     #[arg(long, env = "PDSERVE_MODEL")]
     pub model: PathBuf,
-    /// Decode: sequences per simulated step at most.
-    #[arg(long, env = "PDSERVE_MAX_BATCH", default_value_t = 32)]
-    pub max_batch: usize,
-    /// Decode: KV budget in tokens (prompt + max_tokens are reserved per sequence).
-    #[arg(long, env = "PDSERVE_KV_CACHE_TOKENS", default_value_t = 65_536)]
-    pub kv_cache_tokens: u64,
-    /// Prompt tokens per prefill chunk (decode: local prefill; prefill: KV frames).
-    #[arg(long, env = "PDSERVE_PREFILL_CHUNK_TOKENS", default_value_t = 512)]
-    pub prefill_chunk_tokens: usize,
-    /// Requests that may wait before new ones are refused (503, retryable).
-    #[arg(long, env = "PDSERVE_MAX_QUEUE", default_value_t = 256)]
-    pub max_queue: usize,
+    /// The decode scheduler's limits; a prefill mock uses its chunk size
+    /// (KV frames) and queue length.
+    #[command(flatten)]
+    pub decode: DecodeArgs,
     /// Prefill: KV element type on the wire, f32 or f16.
     #[arg(long, env = "PDSERVE_KV_DTYPE", default_value = "f32")]
     pub kv_dtype: KvDtype,

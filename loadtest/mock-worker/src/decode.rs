@@ -11,9 +11,10 @@ use std::time::Duration;
 
 use pdserve_protocol::internal::ErrorBody;
 use pdserve_protocol::kvwire::KvShape;
-use pdserve_runtime::metrics::labels;
 use pdserve_text::{ModelConfig, Sampled};
-use pdserve_worker::decode::{DecodeBackend, DecodeJob, DecodeMetrics, Outcome, SeqStream};
+use pdserve_worker::decode::{
+    DecodeArgs, DecodeBackend, DecodeJob, DecodeMetrics, Outcome, SeqStream, retire_closed,
+};
 use pdserve_worker::queue::{EngineQueue, EngineStats};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -28,9 +29,8 @@ type Job = DecodeJob<Reservation>;
 /// Batcher settings.
 #[derive(Debug, Clone)]
 pub struct BatcherConfig {
-    pub max_batch: usize,
-    pub prefill_chunk_tokens: usize,
-    pub queue_capacity: usize,
+    /// Batch size, KV budget, prefill chunk and queue length.
+    pub limits: DecodeArgs,
     pub latency: LatencyModel,
 }
 
@@ -43,15 +43,10 @@ pub struct MockDecode {
 }
 
 impl MockDecode {
-    /// Starts the batcher task (on the current tokio runtime) over a KV
-    /// budget of `kv_tokens`.
-    pub fn spawn(
-        shape: MockShape,
-        kv_tokens: u64,
-        cfg: BatcherConfig,
-        metrics: Arc<DecodeMetrics>,
-    ) -> Self {
-        let (queue, rx) = EngineQueue::new(cfg.queue_capacity);
+    /// Starts the batcher task (on the current tokio runtime).
+    pub fn spawn(shape: MockShape, cfg: BatcherConfig, metrics: Arc<DecodeMetrics>) -> Self {
+        let (queue, rx) = EngineQueue::new(cfg.limits.max_queue);
+        let budget = KvBudget::new(cfg.limits.kv_cache_tokens as u64);
         let batcher = Batcher {
             vocab: shape.vocab,
             cfg,
@@ -63,7 +58,7 @@ impl MockDecode {
         tokio::spawn(batcher.run(rx));
         Self {
             shape,
-            budget: KvBudget::new(kv_tokens),
+            budget,
             queue,
         }
     }
@@ -157,15 +152,12 @@ impl Batcher {
 
     /// One round: retire the disconnected, a prefill chunk, admission, a step.
     async fn iteration(&mut self) {
-        let before = self.active.len() + self.waiting.len();
-        self.active.retain(|s| !s.stream.is_closed());
-        self.waiting.retain(|s| !s.stream.is_closed());
-        let gone = before - self.active.len() - self.waiting.len();
-        self.metrics.finished(labels::STATUS_CANCELLED, gone as u64);
-        if self.active.len() < self.cfg.max_batch {
+        let (active, waiting) = (&mut self.active, &mut self.waiting);
+        retire_closed(active, waiting, |s| &s.stream, &self.metrics);
+        if self.active.len() < self.cfg.limits.max_batch.max(1) {
             self.prefill_chunk().await;
         }
-        while self.active.len() < self.cfg.max_batch {
+        while self.active.len() < self.cfg.limits.max_batch.max(1) {
             match self.waiting.iter().position(|s| s.started) {
                 Some(i) => self.active.extend(self.waiting.remove(i)),
                 None => break,
@@ -184,7 +176,7 @@ impl Batcher {
         let started = Instant::now();
         let seq = &self.waiting[i];
         let chunk = (seq.stream.prompt_len - seq.prefilled)
-            .min(self.cfg.prefill_chunk_tokens.max(1) as u32);
+            .min(self.cfg.limits.prefill_chunk_tokens.max(1) as u32);
         pass(started, self.cfg.latency.prefill(chunk as usize)).await;
         self.metrics
             .prefill_chunk(chunk as usize, started.elapsed().as_secs_f64());

@@ -20,7 +20,7 @@ use pdserve_protocol::internal::LoadReport;
 use pdserve_text::ModelConfig;
 use pdserve_worker::decode::{DecodeMetrics, DecodeServer};
 use pdserve_worker::prefill::{PrefillMetrics, PrefillServer};
-use pdserve_worker::{Readiness, Service};
+use pdserve_worker::{Readiness, Served, Service};
 
 pub use config::{Args, PoolKind};
 use decode::{BatcherConfig, MockDecode};
@@ -72,21 +72,19 @@ pub fn build(args: &Args, public_url: String) -> Result<Worker, BuildError> {
     Ok(match args.pool {
         PoolKind::Decode => {
             let cfg = BatcherConfig {
-                max_batch: args.max_batch.max(1),
-                prefill_chunk_tokens: args.prefill_chunk_tokens,
-                queue_capacity: args.max_queue,
+                limits: args.decode.clone(),
                 latency,
             };
             let metrics = Arc::new(DecodeMetrics::new());
-            let backend = MockDecode::spawn(shape, args.kv_cache_tokens, cfg, metrics.clone());
+            let backend = MockDecode::spawn(shape, cfg, metrics.clone());
             Worker::Decode(DecodeServer::new(backend, metrics, public_url))
         }
         PoolKind::Prefill => {
             let cfg = EngineConfig {
                 shape,
                 latency,
-                chunk_tokens: args.prefill_chunk_tokens,
-                queue_capacity: args.max_queue,
+                chunk_tokens: args.decode.prefill_chunk_tokens,
+                queue_capacity: args.decode.max_queue,
                 kv_dtype: args.kv_dtype,
             };
             let metrics = Arc::new(PrefillMetrics::new());

@@ -20,7 +20,7 @@ use serde::Serialize;
 use client::{Endpoint, Target};
 use runner::{Load, Slice};
 use stats::{Record, Slo, Summary};
-use workload::WorkloadArgs;
+use workload::{Item, WorkloadArgs};
 
 /// Options of `pdserve-loadtest run`.
 #[derive(clap::Args, Debug, Clone, Serialize)]
@@ -239,6 +239,91 @@ async fn discover_model(client: &reqwest::Client, args: &RunArgs) -> anyhow::Res
         .with_context(|| format!("{url} lists no model; pass --model"))
 }
 
+/// One point's workload and schedule, from which its slices are cut.
+struct PointPlan {
+    /// The whole workload, shared by every slice.
+    workload: Arc<[Item]>,
+    /// Open loop: the arrival offset of every item (closed loop: none).
+    arrivals: Vec<f64>,
+    load: Load,
+    targets: usize,
+    /// Wall time of load per target (`--duration`).
+    duration: Option<Duration>,
+    /// Length of one slice (`None`: until the items run out).
+    slice_len: Option<Duration>,
+    /// Rounds of slices, each giving every target one slice.
+    rounds: usize,
+    /// Seconds of warm-up at the start of each target's first slice.
+    warmup: f64,
+    max_in_flight: usize,
+}
+
+impl PointPlan {
+    fn new(args: &RunArgs, load: Load, targets: usize) -> anyhow::Result<Self> {
+        let n = args.items_needed(load);
+        let workload: Arc<[Item]> = workload::build(&args.workload, n)?.into();
+        let arrivals = match load {
+            Load::Open { rate } => {
+                arrivals::schedule(rate, args.burstiness, args.workload.seed, n)?
+            }
+            Load::Closed { .. } => Vec::new(),
+        };
+        let duration = args.duration.map(Duration::from_secs_f64);
+        let slice_len = match targets {
+            1 => duration,
+            _ => Some(Duration::from_secs_f64(args.compare_slice)),
+        };
+        let rounds = match (duration, slice_len) {
+            (Some(d), Some(s)) => (d.as_secs_f64() / s.as_secs_f64()).ceil().max(1.0) as usize,
+            _ => 1,
+        };
+        Ok(Self {
+            workload,
+            arrivals,
+            load,
+            targets,
+            duration,
+            slice_len,
+            rounds,
+            warmup: args.warmup,
+            max_in_flight: args.max_in_flight,
+        })
+    }
+
+    /// Target `t`'s slice in `round`, starting at workload item `first_item`.
+    fn slice(&self, round: usize, t: usize, target: &Target, first_item: usize) -> Slice {
+        let base = self.arrivals.get(first_item).copied().unwrap_or(0.0);
+        Slice {
+            index: round * self.targets + t,
+            target_index: t,
+            target: target.clone(),
+            workload: self.workload.clone(),
+            first_item,
+            arrivals: self
+                .arrivals
+                .iter()
+                .skip(first_item)
+                .map(|a| a - base)
+                .collect(),
+            load: self.load,
+            duration: self.slice_duration(round),
+            warmup: match round {
+                0 => Duration::from_secs_f64(self.warmup),
+                _ => Duration::ZERO,
+            },
+            max_in_flight: self.max_in_flight,
+        }
+    }
+
+    /// How long slices of `round` last: the last one only what remains.
+    fn slice_duration(&self, round: usize) -> Option<Duration> {
+        match (self.duration, self.slice_len) {
+            (Some(d), Some(s)) => Some(s.min(d.saturating_sub(s * round as u32))),
+            _ => None,
+        }
+    }
+}
+
 /// Runs one point: every target in slices, interleaved.
 async fn run_point(
     args: &RunArgs,
@@ -247,50 +332,18 @@ async fn run_point(
     load: Load,
     run_start: Instant,
 ) -> anyhow::Result<Vec<Vec<Record>>> {
-    let n = args.items_needed(load);
-    let items = Arc::new(workload::build(&args.workload, n)?);
-    let arrivals = match load {
-        Load::Open { rate } => arrivals::schedule(rate, args.burstiness, args.workload.seed, n)?,
-        Load::Closed { .. } => Vec::new(),
-    };
-    let duration = args.duration.map(Duration::from_secs_f64);
-    let slice_len = match targets.len() {
-        1 => duration,
-        _ => Some(Duration::from_secs_f64(args.compare_slice)),
-    };
-    let rounds = match (duration, slice_len) {
-        (Some(d), Some(s)) => (d.as_secs_f64() / s.as_secs_f64()).ceil().max(1.0) as usize,
-        _ => 1,
-    };
+    let plan = PointPlan::new(args, load, targets.len())?;
+    let n = plan.workload.len();
     let pb = runner::progress((n * targets.len()) as u64, args.no_progress);
+    // Each target's next unsent item.
     let mut positions = vec![0usize; targets.len()];
     let mut records: Vec<Vec<Record>> = vec![Vec::new(); targets.len()];
-    for round in 0..rounds {
+    for round in 0..plan.rounds {
         for (t, (_, target)) in targets.iter().enumerate() {
-            let pos = positions[t];
-            if pos >= n {
+            if positions[t] >= n {
                 continue;
             }
-            let this = match (duration, slice_len) {
-                (Some(d), Some(s)) => Some(s.min(d.saturating_sub(s * round as u32))),
-                _ => None,
-            };
-            let base = arrivals.get(pos).copied().unwrap_or(0.0);
-            let slice = Slice {
-                index: round * targets.len() + t,
-                target_index: t,
-                target: target.clone(),
-                items: Arc::new(items[pos..].to_vec()),
-                first_item: pos,
-                arrivals: arrivals.iter().skip(pos).map(|a| a - base).collect(),
-                load,
-                duration: this,
-                warmup: match round {
-                    0 => Duration::from_secs_f64(args.warmup),
-                    _ => Duration::ZERO,
-                },
-                max_in_flight: args.max_in_flight,
-            };
+            let slice = plan.slice(round, t, target, positions[t]);
             let got = runner::run_slice(client, slice, run_start, &pb).await;
             positions[t] += got.len();
             records[t].extend(got);
@@ -302,20 +355,10 @@ async fn run_point(
 
 pub async fn run(args: RunArgs) -> anyhow::Result<RunReport> {
     args.check()?;
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(1024)
-        .tcp_nodelay(true)
-        .build()?;
+    let client = http_client()?;
     let model = discover_model(&client, &args).await?;
     let targets = args.targets(&model);
-    let slo = Slo {
-        ttft: args.slo_ttft.map(|ms| ms / 1e3),
-        tpot: args.slo_tpot.map(|ms| ms / 1e3),
-    };
-    let started_unix = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or_default();
+    let started_unix = unix_now();
     let run_start = Instant::now();
     let scraper = args.scrape_metrics.clone().map(|url| {
         scrape::spawn(
@@ -325,31 +368,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<RunReport> {
             run_start,
         )
     });
-    let mut points = Vec::new();
-    for (load, kind, value) in args.points() {
-        let per_target = run_point(&args, &client, &targets, load, run_start).await?;
-        let requested = match load {
-            Load::Open { rate } => Some(rate),
-            Load::Closed { .. } => None,
-        };
-        let results = targets
-            .iter()
-            .zip(per_target)
-            .map(|((label, t), records)| TargetResult {
-                label: label.clone(),
-                url: t.url.clone(),
-                summary: stats::summarize(&records, &slo, requested),
-                records,
-            })
-            .collect();
-        let point = Point {
-            kind,
-            value,
-            targets: results,
-        };
-        report::print_point(&point);
-        points.push(point);
-    }
+    let points = run_points(&args, &client, &targets, run_start).await?;
     let scrape = match scraper {
         Some(s) => s.finish().await,
         None => Vec::new(),
@@ -361,12 +380,146 @@ pub async fn run(args: RunArgs) -> anyhow::Result<RunReport> {
         points,
         scrape,
     };
+    write_outputs(&args, &report)?;
+    Ok(report)
+}
+
+fn http_client() -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(1024)
+        .tcp_nodelay(true)
+        .build()
+}
+
+/// Seconds since the Unix epoch (0 if the clock is before it).
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default()
+}
+
+/// Runs every point in turn, printing each one's results as it ends.
+async fn run_points(
+    args: &RunArgs,
+    client: &reqwest::Client,
+    targets: &[(String, Target)],
+    run_start: Instant,
+) -> anyhow::Result<Vec<Point>> {
+    let slo = Slo {
+        ttft: args.slo_ttft.map(|ms| ms / 1e3),
+        tpot: args.slo_tpot.map(|ms| ms / 1e3),
+    };
+    let mut points = Vec::new();
+    for (load, kind, value) in args.points() {
+        let per_target = run_point(args, client, targets, load, run_start).await?;
+        let point = Point {
+            kind,
+            value,
+            targets: target_results(targets, per_target, &slo, load),
+        };
+        report::print_point(&point);
+        points.push(point);
+    }
+    Ok(points)
+}
+
+/// Each target's summary and records at one point.
+fn target_results(
+    targets: &[(String, Target)],
+    per_target: Vec<Vec<Record>>,
+    slo: &Slo,
+    load: Load,
+) -> Vec<TargetResult> {
+    let requested = match load {
+        Load::Open { rate } => Some(rate),
+        Load::Closed { .. } => None,
+    };
+    targets
+        .iter()
+        .zip(per_target)
+        .map(|((label, t), records)| TargetResult {
+            label: label.clone(),
+            url: t.url.clone(),
+            summary: stats::summarize(&records, slo, requested),
+            records,
+        })
+        .collect()
+}
+
+/// Writes the JSON (`--json`) and the Markdown report (`--report`) asked for.
+fn write_outputs(args: &RunArgs, report: &RunReport) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+        std::fs::write(path, serde_json::to_vec_pretty(report)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(dir) = &args.report {
-        report::write_report(dir, &report)?;
+        report::write_report(dir, report)?;
     }
-    Ok(report)
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    fn args(flags: &[&str]) -> RunArgs {
+        let argv = std::iter::once("pdserve-loadtest").chain(flags.iter().copied());
+        Cli::try_parse_from(argv).unwrap().run
+    }
+
+    #[test]
+    fn slices_share_one_workload_and_see_only_their_own_items() {
+        let args = args(&[
+            "--rate=2",
+            "--requests=6",
+            "--duration=25",
+            "--compare=http://b",
+            "--compare-slice=10",
+            "--warmup=1",
+            "--input-len=4",
+        ]);
+        args.check().unwrap();
+        let targets = args.targets("m");
+        let load = Load::Open { rate: 2.0 };
+        let plan = PointPlan::new(&args, load, targets.len()).unwrap();
+        assert_eq!(
+            (plan.workload.len(), plan.arrivals.len(), plan.rounds),
+            (6, 6, 3)
+        );
+
+        let first = plan.slice(0, 0, &targets[0].1, 0);
+        let other = plan.slice(0, 1, &targets[1].1, 0);
+        let last = plan.slice(2, 1, &targets[1].1, 4);
+        for s in [&first, &other, &last] {
+            assert!(Arc::ptr_eq(&s.workload, &plan.workload));
+        }
+        assert_eq!(
+            Arc::strong_count(&plan.workload),
+            4,
+            "no slice has its own copy"
+        );
+
+        assert_eq!(first.items(), &plan.workload[..]);
+        assert_eq!((last.index, last.target_index, last.first_item), (5, 1, 4));
+        assert_eq!(last.items(), &plan.workload[4..]);
+        assert!(std::ptr::eq(&last.items()[0], &plan.workload[4]));
+        let rebased: Vec<f64> = plan.arrivals[4..]
+            .iter()
+            .map(|a| a - plan.arrivals[4])
+            .collect();
+        assert_eq!(last.arrivals, rebased);
+
+        assert_eq!(first.duration, Some(Duration::from_secs(10)));
+        assert_eq!(last.duration, Some(Duration::from_secs(5)), "what remains");
+        assert_eq!(first.warmup, Duration::from_secs(1));
+        assert_eq!(last.warmup, Duration::ZERO);
+    }
 }

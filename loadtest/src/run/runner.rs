@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
 
 use super::client::{send, Target};
 use super::stats::Record;
@@ -31,10 +32,12 @@ pub struct Slice {
     pub index: usize,
     pub target_index: usize,
     pub target: Target,
-    pub items: Arc<Vec<Item>>,
-    /// Index of `items[0]` in the whole workload.
+    /// The whole workload of the point, shared by all its slices.
+    pub workload: Arc<[Item]>,
+    /// Index in `workload` of this slice's first item; the slice may send
+    /// every item from there on (see [`Slice::items`]).
     pub first_item: usize,
-    /// Arrival offsets for open loop (at least as many as `items`).
+    /// Arrival offsets for open loop (at least as many as the items).
     pub arrivals: Vec<f64>,
     pub load: Load,
     /// Wall time the slice may start requests for; started ones are awaited.
@@ -44,6 +47,13 @@ pub struct Slice {
     /// Open loop: in-flight requests at most (beyond, arrivals are recorded
     /// as `client_overload` errors rather than queued in the client).
     pub max_in_flight: usize,
+}
+
+impl Slice {
+    /// The items this slice may send: the workload from `first_item` on.
+    pub fn items(&self) -> &[Item] {
+        &self.workload[self.first_item..]
+    }
 }
 
 pub fn progress(total: u64, hidden: bool) -> ProgressBar {
@@ -72,16 +82,41 @@ struct Shared {
 }
 
 impl Shared {
+    fn new(client: &reqwest::Client, slice: Slice, run_start: Instant, pb: &ProgressBar) -> Self {
+        Self {
+            client: client.clone(),
+            slice,
+            run_start,
+            slice_start: Instant::now(),
+            pb: pb.clone(),
+            errors: AtomicUsize::new(0),
+            records: Default::default(),
+        }
+    }
+
+    /// Sends the slice's item `i` and records the outcome.
     async fn one(&self, i: usize) {
         let started = Instant::now();
         let s = &self.slice;
-        let mut rec = send(&self.client, &s.target, &s.items[i]).await;
+        let mut rec = send(&self.client, &s.target, &s.items()[i]).await;
         rec.target = s.target_index;
         rec.slice = s.index;
         rec.item = s.first_item + i;
         rec.start = started.duration_since(self.run_start).as_secs_f64();
         rec.warmup = started.duration_since(self.slice_start) < s.warmup;
         self.push(rec);
+    }
+
+    /// The record of item `i`, refused at `when` because too many were in flight.
+    fn overload(&self, i: usize, when: Instant) -> Record {
+        Record {
+            target: self.slice.target_index,
+            slice: self.slice.index,
+            item: self.slice.first_item + i,
+            start: when.duration_since(self.run_start).as_secs_f64(),
+            error: Some("client_overload".into()),
+            ..Default::default()
+        }
     }
 
     fn push(&self, rec: Record) {
@@ -102,6 +137,14 @@ impl Shared {
             .duration
             .is_some_and(|d| at >= self.slice_start + d)
     }
+
+    /// Every record so far, in order of start.
+    fn take_records(&self) -> Vec<Record> {
+        let mut records =
+            std::mem::take(&mut *self.records.lock().unwrap_or_else(|p| p.into_inner()));
+        records.sort_by(|a, b| a.start.total_cmp(&b.start));
+        records
+    }
 }
 
 /// Runs one slice; `run_start` is the origin of every record's `start`.
@@ -112,64 +155,54 @@ pub async fn run_slice(
     pb: &ProgressBar,
 ) -> Vec<Record> {
     let load = slice.load;
-    let shared = Arc::new(Shared {
-        client: client.clone(),
-        slice,
-        run_start,
-        slice_start: Instant::now(),
-        pb: pb.clone(),
-        errors: AtomicUsize::new(0),
-        records: Default::default(),
-    });
-    let mut tasks = tokio::task::JoinSet::new();
+    let shared = Arc::new(Shared::new(client, slice, run_start, pb));
+    let mut tasks = JoinSet::new();
     match load {
-        Load::Open { .. } => {
-            let limit = Arc::new(Semaphore::new(shared.slice.max_in_flight.max(1)));
-            let n = shared.slice.items.len().min(shared.slice.arrivals.len());
-            for i in 0..n {
-                let when = shared.slice_start + Duration::from_secs_f64(shared.slice.arrivals[i]);
-                if shared.expired(when) {
-                    break;
-                }
-                tokio::time::sleep_until(when.into()).await;
-                match limit.clone().try_acquire_owned() {
-                    Ok(permit) => {
-                        let sh = shared.clone();
-                        tasks.spawn(async move {
-                            sh.one(i).await;
-                            drop(permit);
-                        });
-                    }
-                    Err(_) => shared.push(Record {
-                        target: shared.slice.target_index,
-                        slice: shared.slice.index,
-                        item: shared.slice.first_item + i,
-                        start: when.duration_since(run_start).as_secs_f64(),
-                        error: Some("client_overload".into()),
-                        ..Default::default()
-                    }),
-                }
-            }
-        }
-        Load::Closed { concurrency } => {
-            let next = Arc::new(AtomicUsize::new(0));
-            for _ in 0..concurrency.max(1) {
-                let (sh, next) = (shared.clone(), next.clone());
-                tasks.spawn(async move {
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= sh.slice.items.len() || sh.expired(Instant::now()) {
-                            break;
-                        }
-                        sh.one(i).await;
-                    }
-                });
-            }
-        }
+        Load::Open { .. } => open_loop(&shared, &mut tasks).await,
+        Load::Closed { concurrency } => closed_loop(&shared, concurrency, &mut tasks),
     }
     while tasks.join_next().await.is_some() {}
-    let mut records =
-        std::mem::take(&mut *shared.records.lock().unwrap_or_else(|p| p.into_inner()));
-    records.sort_by(|a, b| a.start.total_cmp(&b.start));
-    records
+    shared.take_records()
+}
+
+/// Starts a request at each arrival until the items or the slice's time run
+/// out; an arrival beyond `max_in_flight` is recorded as `client_overload`.
+async fn open_loop(shared: &Arc<Shared>, tasks: &mut JoinSet<()>) {
+    let limit = Arc::new(Semaphore::new(shared.slice.max_in_flight.max(1)));
+    let n = shared.slice.items().len().min(shared.slice.arrivals.len());
+    for i in 0..n {
+        let when = shared.slice_start + Duration::from_secs_f64(shared.slice.arrivals[i]);
+        if shared.expired(when) {
+            break;
+        }
+        tokio::time::sleep_until(when.into()).await;
+        match limit.clone().try_acquire_owned() {
+            Ok(permit) => {
+                let sh = shared.clone();
+                tasks.spawn(async move {
+                    sh.one(i).await;
+                    drop(permit);
+                });
+            }
+            Err(_) => shared.push(shared.overload(i, when)),
+        }
+    }
+}
+
+/// Spawns `concurrency` clients, each sending the next unsent item when its
+/// last request ends, until the items or the slice's time run out.
+fn closed_loop(shared: &Arc<Shared>, concurrency: usize, tasks: &mut JoinSet<()>) {
+    let next = Arc::new(AtomicUsize::new(0));
+    for _ in 0..concurrency.max(1) {
+        let (sh, next) = (shared.clone(), next.clone());
+        tasks.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= sh.slice.items().len() || sh.expired(Instant::now()) {
+                    break;
+                }
+                sh.one(i).await;
+            }
+        });
+    }
 }

@@ -141,26 +141,76 @@ pub fn summarize<'a>(
     if measured.is_empty() {
         return s;
     }
-    // Time under load: the span of each slice (first start to last end),
-    // summed, so other targets' turns in between do not count.
-    let mut slices: BTreeMap<usize, (f64, f64, f64, usize)> = BTreeMap::new();
-    for r in &measured {
-        let e = slices.entry(r.slice).or_insert((
-            f64::INFINITY,
-            f64::NEG_INFINITY,
-            f64::NEG_INFINITY,
-            0,
-        ));
-        e.0 = e.0.min(r.start);
-        e.1 = e.1.max(r.start);
-        e.2 = e.2.max(r.start + r.e2e);
-        e.3 += 1;
+    let spans = slice_spans(&measured);
+    s.duration = time_under_load(&spans);
+    s.achieved_rate = achieved_rate(&spans);
+    count_outcomes(&mut s, &measured);
+    let good = measured.iter().filter(|r| slo.met(r)).count();
+    s.requests_per_second = s.ok as f64 / s.duration;
+    s.output_tokens_per_second = s.completion_tokens as f64 / s.duration;
+    s.total_tokens_per_second = (s.prompt_tokens + s.completion_tokens) as f64 / s.duration;
+    s.goodput = good as f64 / s.duration;
+    s.slo_attainment = good as f64 / measured.len() as f64;
+    latencies(&mut s, &measured);
+    s
+}
+
+/// The measured requests of one slice: when they started and ended.
+#[derive(Debug, Clone, Copy)]
+struct SliceSpan {
+    first_start: f64,
+    last_start: f64,
+    last_end: f64,
+    requests: usize,
+}
+
+impl Default for SliceSpan {
+    fn default() -> Self {
+        Self {
+            first_start: f64::INFINITY,
+            last_start: f64::NEG_INFINITY,
+            last_end: f64::NEG_INFINITY,
+            requests: 0,
+        }
     }
-    s.duration = slices.values().map(|v| v.2 - v.0).sum::<f64>().max(1e-9);
-    // n arrivals span n - 1 gaps, per slice.
-    let gaps: usize = slices.values().map(|v| v.3 - 1).sum();
-    let arrival_span: f64 = slices.values().map(|v| v.1 - v.0).sum();
-    for r in &measured {
+}
+
+/// Each slice's span, by slice index.
+fn slice_spans(measured: &[&Record]) -> BTreeMap<usize, SliceSpan> {
+    let mut spans: BTreeMap<usize, SliceSpan> = BTreeMap::new();
+    for r in measured {
+        let span = spans.entry(r.slice).or_default();
+        span.first_start = span.first_start.min(r.start);
+        span.last_start = span.last_start.max(r.start);
+        span.last_end = span.last_end.max(r.start + r.e2e);
+        span.requests += 1;
+    }
+    spans
+}
+
+/// Time under load: the span of each slice (first start to last end),
+/// summed, so other targets' turns in between do not count.
+fn time_under_load(spans: &BTreeMap<usize, SliceSpan>) -> f64 {
+    spans
+        .values()
+        .map(|v| v.last_end - v.first_start)
+        .sum::<f64>()
+        .max(1e-9)
+}
+
+/// Arrivals per second within slices: n arrivals span n - 1 gaps, per slice.
+fn achieved_rate(spans: &BTreeMap<usize, SliceSpan>) -> f64 {
+    let gaps: usize = spans.values().map(|v| v.requests - 1).sum();
+    let arrival_span: f64 = spans.values().map(|v| v.last_start - v.first_start).sum();
+    match arrival_span > 0.0 {
+        true => gaps as f64 / arrival_span,
+        false => 0.0,
+    }
+}
+
+/// Successes, errors by class, and token counts.
+fn count_outcomes(s: &mut Summary, measured: &[&Record]) {
+    for r in measured {
         match &r.error {
             None => s.ok += 1,
             Some(class) => *s.errors.entry(class.clone()).or_default() += 1,
@@ -168,16 +218,10 @@ pub fn summarize<'a>(
         s.prompt_tokens += r.prompt_tokens as u64;
         s.completion_tokens += r.completion_tokens as u64;
     }
-    let good = measured.iter().filter(|r| slo.met(r)).count();
-    s.requests_per_second = s.ok as f64 / s.duration;
-    s.output_tokens_per_second = s.completion_tokens as f64 / s.duration;
-    s.total_tokens_per_second = (s.prompt_tokens + s.completion_tokens) as f64 / s.duration;
-    s.goodput = good as f64 / s.duration;
-    s.slo_attainment = good as f64 / measured.len() as f64;
-    s.achieved_rate = match arrival_span > 0.0 {
-        true => gaps as f64 / arrival_span,
-        false => 0.0,
-    };
+}
+
+/// Latency percentiles over the successful requests.
+fn latencies(s: &mut Summary, measured: &[&Record]) {
     let ok: Vec<&&Record> = measured.iter().filter(|r| r.error.is_none()).collect();
     s.ttft = percentiles(&ok.iter().filter_map(|r| r.ttft).collect::<Vec<_>>());
     s.itl = percentiles(
@@ -187,7 +231,6 @@ pub fn summarize<'a>(
     );
     s.tpot = percentiles(&ok.iter().filter_map(|r| r.tpot()).collect::<Vec<_>>());
     s.e2e = percentiles(&ok.iter().map(|r| r.e2e).collect::<Vec<_>>());
-    s
 }
 
 #[cfg(test)]

@@ -235,8 +235,9 @@ pub fn spawn(
                 _ = tick.tick() => {}
             }
             let s = signals(&registry, &args);
-            metrics.prefill_backlog.set(s.prefill_backlog_seconds);
+            metrics.pools.prefill_backlog.set(s.prefill_backlog_seconds);
             metrics
+                .pools
                 .pool_kv_usage
                 .with_label_values(&[pool_label(Pool::Decode)])
                 .set(s.decode_kv_usage);
@@ -251,6 +252,7 @@ pub fn spawn(
                 let current = executor.current(pool);
                 let desired = policies[i].decide(&configs[i], now, signal, current);
                 metrics
+                    .pools
                     .desired_replicas
                     .with_label_values(&[pool_label(pool)])
                     .set(desired as i64);

@@ -191,3 +191,28 @@ fn chunked_prefill_matches_one_shot_on_the_real_model() {
         assert!(max_abs_diff(one.layer(l).1, chunked.layer(l).1) < 1e-3);
     }
 }
+
+#[test]
+fn the_candle_free_header_reader_sees_what_candle_sees() {
+    use candle_core::quantized::gguf_file::Content;
+    let Some(path) = real_model() else { return };
+    let ours = pdserve_text::gguf::Header::read_file(&path).unwrap();
+    let mut file = std::io::BufReader::new(std::fs::File::open(&path).unwrap());
+    let theirs = Content::read(&mut file).unwrap();
+    let mut keys: Vec<_> = ours.metadata.keys().collect();
+    let mut their_keys: Vec<_> = theirs.metadata.keys().collect();
+    keys.sort();
+    their_keys.sort();
+    assert_eq!(keys, their_keys);
+    let tokens = ours.metadata["tokenizer.ggml.tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), 49_152);
+    assert_eq!(ours.tensors.len(), theirs.tensor_infos.len());
+    for (name, info) in &theirs.tensor_infos {
+        let mine = &ours.tensors[name];
+        assert_eq!(mine.shape(), info.shape.dims(), "{name}");
+        assert_eq!(mine.offset, info.offset, "{name}");
+        let dtype = format!("{:?}", info.ggml_dtype).to_lowercase();
+        assert_eq!(pdserve_text::gguf::type_name(mine.ggml_type), dtype, "{name}");
+    }
+    assert_eq!(ours.data_offset, theirs.tensor_data_offset);
+}

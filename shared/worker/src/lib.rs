@@ -18,4 +18,4 @@ pub mod upload;
 mod validate;
 
 pub use readiness::Readiness;
-pub use server::{serve, ServerArgs, Service};
+pub use server::{serve, Served, ServerArgs, Service};

@@ -5,12 +5,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use pdserve_protocol::internal::{LoadReport, WorkerRegistration};
+use pdserve_protocol::internal::{LoadReport, Pool, WorkerRegistration};
 use pdserve_runtime::shutdown::{self, Drain, DrainArgs};
 use pdserve_runtime::telemetry::TelemetryArgs;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::readiness::Readiness;
 use crate::registration::{self, RegistrationArgs};
 
 /// The flags of every worker binary but its port (whose variable and
@@ -45,6 +46,17 @@ impl ServerArgs {
     }
 }
 
+/// A worker server, as the serve loop sees it.
+pub trait Served: Send + Sync + 'static {
+    /// The worker's routes.
+    fn routes(self: &Arc<Self>) -> axum::Router;
+    /// The load report the router balances and scales on.
+    fn load_report(&self) -> LoadReport;
+    fn readiness(&self) -> &Readiness;
+    /// Work still in flight: queued, running, or delivering its result.
+    fn in_flight(&self) -> u64;
+}
+
 /// A built worker, ready to serve: its routes, what it registers as, its
 /// load report and what its drain needs.
 pub struct Service {
@@ -55,6 +67,32 @@ pub struct Service {
     pub stop_accepting: Box<dyn FnOnce() + Send>,
     /// Work still in flight: queued, running, or delivering its result.
     pub in_flight: Box<dyn Fn() -> u64 + Send + Sync>,
+}
+
+impl Service {
+    /// `server`, registering as a worker of `pool` at `url` with
+    /// `fingerprint` and `weights`.
+    pub fn new<S: Served>(
+        server: &Arc<S>,
+        pool: Pool,
+        url: String,
+        fingerprint: u64,
+        weights: &str,
+    ) -> Self {
+        let (load, stop, count) = (server.clone(), server.clone(), server.clone());
+        Service {
+            app: server.routes(),
+            registration: WorkerRegistration {
+                pool,
+                url,
+                model_fingerprint: fingerprint,
+                weights: weights.to_string(),
+            },
+            load: Arc::new(move || load.load_report()),
+            stop_accepting: Box::new(move || stop.readiness().stop()),
+            in_flight: Box::new(move || count.in_flight()),
+        }
+    }
 }
 
 /// Serves `service` on `listener` until SIGTERM or Ctrl-C, then drains (at

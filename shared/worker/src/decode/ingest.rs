@@ -16,7 +16,7 @@ use pdserve_protocol::kvwire::{self, KvDtype, KvEvent, KvLimits, KvStreamDecoder
 use pdserve_text::Sampled;
 
 use super::lease::{expired_error, Pending};
-use super::{DecodeBackend, DecodeJob, DecodeServer, KvImport};
+use super::{DecodeBackend, DecodeJob, DecodeServer, KvImport, KvRows};
 use crate::http::ApiError;
 
 /// `{"tokens": n, "bytes": n}` once the KV is in and the sequence admitted.
@@ -121,7 +121,15 @@ fn import(kv: &mut impl KvImport, dtype: KvDtype, frame: &LayerFrame) -> Result<
             let msg = format!("layer {layer} missing from its frame");
             ErrorBody::fatal(ErrorKind::KvBadFrame, msg)
         })?;
-        kv.import(layer as usize, dtype, start, n, k, v)?;
+        let layer = layer as usize;
+        kv.import(KvRows {
+            layer,
+            dtype,
+            start,
+            n,
+            k,
+            v,
+        })?;
     }
     Ok(())
 }

@@ -22,24 +22,41 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use pdserve_protocol::internal::{
-    ErrorBody, GenerateEvent, LoadReport, Pool, SamplingSpec, WorkerRegistration,
-};
+use pdserve_protocol::internal::{ErrorBody, GenerateEvent, LoadReport, Pool, SamplingSpec};
 use pdserve_protocol::kvwire::{KvDtype, KvShape};
 use pdserve_text::{ModelConfig, Sampled};
 use tokio::sync::mpsc;
 
 pub use metrics::DecodeMetrics;
-pub use sequence::{Outcome, SeqStream};
+pub use sequence::{retire_closed, Outcome, SeqStream};
 
 use crate::queue::EngineStats;
 use crate::readiness::Readiness;
-use crate::server::Service;
+use crate::server::{Served, Service};
 
 use lease::Pending;
 
 /// Largest generate request body (a prompt of token ids).
 const MAX_BODY_BYTES: usize = 8 << 20;
+
+/// The flags of a decode worker's scheduler, whatever its backend.
+#[derive(clap::Args, Debug, Clone)]
+pub struct DecodeArgs {
+    /// Sequences per decode step at most.
+    #[arg(long, env = "PDSERVE_MAX_BATCH", default_value_t = 32)]
+    pub max_batch: usize,
+    /// KV cache budget in tokens; a sequence reserves its prompt and
+    /// `max_tokens` (46 KB a token for the default model).
+    #[arg(long, env = "PDSERVE_KV_CACHE_TOKENS", default_value_t = 65_536)]
+    pub kv_cache_tokens: usize,
+    /// Prompt tokens per prefill chunk.
+    #[arg(long, env = "PDSERVE_PREFILL_CHUNK_TOKENS", default_value_t = 512)]
+    pub prefill_chunk_tokens: usize,
+    /// Requests that may wait for the engine before new ones are refused
+    /// (503, retryable).
+    #[arg(long, env = "PDSERVE_MAX_QUEUE", default_value_t = 256)]
+    pub max_queue: usize,
+}
 
 /// A decode engine: the real model or a simulation of it.
 pub trait DecodeBackend: Send + Sync + 'static {
@@ -60,18 +77,23 @@ pub trait DecodeBackend: Send + Sync + 'static {
     fn kv_usage(&self) -> (u64, u64);
 }
 
+/// Rows of one layer's K and V, as a KV frame carries them.
+#[derive(Debug, Clone, Copy)]
+pub struct KvRows<'a> {
+    pub layer: usize,
+    pub dtype: KvDtype,
+    /// The first row's position in the prompt.
+    pub start: usize,
+    /// Rows (tokens) in `k` and in `v`.
+    pub n: usize,
+    pub k: &'a [u8],
+    pub v: &'a [u8],
+}
+
 /// A reservation that can take a prompt's KV as a prefill worker streams it.
 pub trait KvImport: Send + 'static {
-    /// Imports `n` rows from `start` of one layer's K and V bytes.
-    fn import(
-        &mut self,
-        layer: usize,
-        dtype: KvDtype,
-        start: usize,
-        n: usize,
-        k: &[u8],
-        v: &[u8],
-    ) -> Result<(), ErrorBody>;
+    /// Imports rows of one layer.
+    fn import(&mut self, rows: KvRows<'_>) -> Result<(), ErrorBody>;
     /// The whole prompt of `n_tokens` is in.
     fn finish(&mut self, n_tokens: usize) -> Result<(), ErrorBody>;
     /// Forgets a partial import (the upload failed; another may follow).
@@ -119,8 +141,10 @@ impl<B: DecodeBackend> DecodeServer<B> {
         &self.backend
     }
 
-    pub fn readiness(&self) -> &Readiness {
-        &self.readiness
+    /// The worker as a [`Service`], registering with `fingerprint` and `weights`.
+    pub fn service(self: &Arc<Self>, fingerprint: u64, weights: &str) -> Service {
+        let url = self.public_url.clone();
+        Service::new(self, Pool::Decode, url, fingerprint, weights)
     }
 
     fn pending(&self) -> MutexGuard<'_, HashMap<String, Pending<B::Kv>>> {
@@ -133,23 +157,16 @@ impl<B: DecodeBackend> DecodeServer<B> {
         self.pending().len()
     }
 
-    /// Sequences queued, running or waiting for their KV.
-    pub fn in_flight(&self) -> u64 {
-        self.backend.stats().in_flight() + self.waiting_for_kv() as u64
-    }
-
-    /// The load report the router balances and scales on.
-    pub fn load_report(&self) -> LoadReport {
+    fn metrics_page(&self) -> axum::response::Response {
         let (used, capacity) = self.backend.kv_usage();
-        LoadReport {
-            kv_used_tokens: used,
-            kv_free_tokens: capacity.saturating_sub(used),
-            ..self.backend.stats().report(self.readiness.is_ready())
-        }
+        self.metrics.kv_gauges(used, capacity);
+        crate::http::metrics_page(&self.metrics.registry)
     }
+}
 
+impl<B: DecodeBackend> Served for DecodeServer<B> {
     /// The worker's routes.
-    pub fn routes(self: &Arc<Self>) -> Router {
+    fn routes(self: &Arc<Self>) -> Router {
         Router::new()
             .route("/v1/internal/generate", post(generate::generate::<B>))
             .route("/v1/internal/kv/{request_id}", post(ingest::ingest::<B>))
@@ -170,26 +187,22 @@ impl<B: DecodeBackend> DecodeServer<B> {
             .with_state(self.clone())
     }
 
-    fn metrics_page(&self) -> axum::response::Response {
+    /// The load report the router balances and scales on.
+    fn load_report(&self) -> LoadReport {
         let (used, capacity) = self.backend.kv_usage();
-        self.metrics.kv_gauges(used, capacity);
-        crate::http::metrics_page(&self.metrics.registry)
+        LoadReport {
+            kv_used_tokens: used,
+            kv_free_tokens: capacity.saturating_sub(used),
+            ..self.backend.stats().report(self.readiness.is_ready())
+        }
     }
 
-    /// The worker as a [`Service`], registering with `fingerprint` and `weights`.
-    pub fn service(self: &Arc<Self>, fingerprint: u64, weights: &str) -> Service {
-        let (load, stop, count) = (self.clone(), self.clone(), self.clone());
-        Service {
-            app: self.routes(),
-            registration: WorkerRegistration {
-                pool: Pool::Decode,
-                url: self.public_url.clone(),
-                model_fingerprint: fingerprint,
-                weights: weights.to_string(),
-            },
-            load: Arc::new(move || load.load_report()),
-            stop_accepting: Box::new(move || stop.readiness.stop()),
-            in_flight: Box::new(move || count.in_flight()),
-        }
+    fn readiness(&self) -> &Readiness {
+        &self.readiness
+    }
+
+    /// Sequences queued, running or waiting for their KV.
+    fn in_flight(&self) -> u64 {
+        self.backend.stats().in_flight() + self.waiting_for_kv() as u64
     }
 }

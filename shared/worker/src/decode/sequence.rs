@@ -1,6 +1,8 @@
 //! A sequence's stream back to its client, as every decode engine keeps it:
 //! what was generated, when it ends, and the events that say so.
 
+use std::collections::VecDeque;
+
 use pdserve_protocol::internal::{ErrorBody, FinishReason, GenerateEvent, SamplingSpec};
 use pdserve_runtime::metrics::labels;
 use pdserve_text::Sampled;
@@ -91,4 +93,19 @@ impl SeqStream {
         metrics.finished(labels::STATUS_ERROR, 1);
         let _ = self.events.send(GenerateEvent::Error(err));
     }
+}
+
+/// Drops the sequences of `active` and `waiting` whose client went away,
+/// counting them `cancelled` (dropping a sequence frees its KV).
+pub fn retire_closed<S>(
+    active: &mut Vec<S>,
+    waiting: &mut VecDeque<S>,
+    stream: impl Fn(&S) -> &SeqStream,
+    metrics: &DecodeMetrics,
+) {
+    let before = active.len() + waiting.len();
+    active.retain(|s| !stream(s).is_closed());
+    waiting.retain(|s| !stream(s).is_closed());
+    let gone = before - active.len() - waiting.len();
+    metrics.finished(labels::STATUS_CANCELLED, gone as u64);
 }

@@ -20,9 +20,7 @@ use axum::extract::State;
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use pdserve_protocol::internal::{
-    ErrorBody, ErrorKind, LoadReport, Pool, PrefillJob, WorkerRegistration,
-};
+use pdserve_protocol::internal::{ErrorBody, ErrorKind, LoadReport, Pool, PrefillJob};
 use pdserve_text::ModelConfig;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -32,7 +30,7 @@ pub use metrics::PrefillMetrics;
 
 use crate::queue::EngineStats;
 use crate::readiness::Readiness;
-use crate::server::Service;
+use crate::server::{Served, Service};
 
 /// A prefill engine: the real model or a simulation of it.
 pub trait PrefillBackend: Send + Sync + 'static {
@@ -106,27 +104,20 @@ impl<B: PrefillBackend> PrefillServer<B> {
         &self.backend
     }
 
-    pub fn readiness(&self) -> &Readiness {
-        &self.readiness
+    /// The worker as a [`Service`], registering at `url` with `fingerprint` and `weights`.
+    pub fn service(self: &Arc<Self>, url: String, fingerprint: u64, weights: &str) -> Service {
+        Service::new(self, Pool::Prefill, url, fingerprint, weights)
     }
 
     fn jobs(&self) -> MutexGuard<'_, HashMap<String, CancellationToken>> {
         // Entries are whole values: the map is consistent even after a panic.
         self.jobs.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
 
-    /// Jobs queued, running, or still delivering their KV.
-    pub fn in_flight(&self) -> u64 {
-        self.jobs().len() as u64
-    }
-
-    /// The load report the router balances and scales on.
-    pub fn load_report(&self) -> LoadReport {
-        self.backend.stats().report(self.readiness.is_ready())
-    }
-
+impl<B: PrefillBackend> Served for PrefillServer<B> {
     /// The worker's routes.
-    pub fn routes(self: &Arc<Self>) -> Router {
+    fn routes(self: &Arc<Self>) -> Router {
         Router::new()
             .route("/v1/internal/prefill", post(handler::prefill::<B>))
             .route(
@@ -151,20 +142,17 @@ impl<B: PrefillBackend> PrefillServer<B> {
             .with_state(self.clone())
     }
 
-    /// The worker as a [`Service`], registering at `url` with `fingerprint` and `weights`.
-    pub fn service(self: &Arc<Self>, url: String, fingerprint: u64, weights: &str) -> Service {
-        let (load, stop, count) = (self.clone(), self.clone(), self.clone());
-        Service {
-            app: self.routes(),
-            registration: WorkerRegistration {
-                pool: Pool::Prefill,
-                url,
-                model_fingerprint: fingerprint,
-                weights: weights.to_string(),
-            },
-            load: Arc::new(move || load.load_report()),
-            stop_accepting: Box::new(move || stop.readiness.stop()),
-            in_flight: Box::new(move || count.in_flight()),
-        }
+    /// The load report the router balances and scales on.
+    fn load_report(&self) -> LoadReport {
+        self.backend.stats().report(self.readiness.is_ready())
+    }
+
+    fn readiness(&self) -> &Readiness {
+        &self.readiness
+    }
+
+    /// Jobs queued, running, or still delivering their KV.
+    fn in_flight(&self) -> u64 {
+        self.jobs().len() as u64
     }
 }

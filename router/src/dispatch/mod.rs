@@ -19,12 +19,15 @@ use pdserve_runtime::metrics::labels;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+mod pump;
+
 use crate::config::{DispatchConfig, Mode};
 use crate::error::ApiError;
 use crate::metrics::{pool_label, RouterMetrics};
 use crate::ndjson::LineReader;
 use crate::policy::{Policy, RequestInfo};
 use crate::registry::{Registry, WorkerView};
+use pump::Pump;
 
 /// Events buffered between the upstream reader and the client.
 const EVENT_BUFFER: usize = 64;
@@ -145,7 +148,7 @@ impl Dispatcher {
             }
             (_, true) => None,
         };
-        let pump = tokio::spawn(self.clone().pump(decode, prefill, tx, deadline));
+        let pump = tokio::spawn(Pump::new(self.clone(), decode, prefill, tx, deadline).run());
         Ok(Sequence {
             rx,
             _pump: AbortOnDrop(pump),
@@ -374,105 +377,6 @@ impl Dispatcher {
             labels::STAGE_KV_TRANSFER,
             total.as_secs_f64() - r.queue_seconds - r.compute_seconds,
         );
-    }
-
-    /// Relays the decode stream to the client until it ends, the prefill
-    /// fails, the deadline passes or the client goes away.
-    async fn pump(
-        self: Arc<Self>,
-        mut decode: Decode,
-        mut prefill: Option<AbortOnDropResult>,
-        tx: mpsc::Sender<Result<SeqEvent, ApiError>>,
-        deadline: tokio::time::Instant,
-    ) {
-        let reserved = Instant::now();
-        let local = prefill.is_none();
-        let mut first_token: Option<Instant> = None;
-        let mut prefilled: Option<Instant> = None;
-        loop {
-            let event = tokio::select! {
-                biased;
-                _ = tx.closed() => return,
-                r = async { (&mut prefill.as_mut().expect("guarded").0).await }, if prefill.is_some() => {
-                    prefill = None;
-                    match r {
-                        Ok(Ok(_)) => {
-                            // The answer can lag the last KV frame: the token may be out already.
-                            match first_token {
-                                Some(_) => self.observe_stage(labels::STAGE_FIRST_DECODE, 0.0),
-                                None => prefilled = Some(Instant::now()),
-                            }
-                            continue
-                        }
-                        Ok(Err(e)) => Err(e),
-                        Err(_) => Err(ApiError::Internal("the prefill task failed".into())),
-                    }
-                }
-                ev = tokio::time::timeout_at(deadline, decode.reader.next::<GenerateEvent>()) => match ev {
-                    Err(_) => Err(ApiError::Deadline(self.cfg.request_timeout.as_secs())),
-                    Ok(Ok(Some(ev))) => Ok(ev),
-                    Ok(Ok(None)) | Ok(Err(_)) => {
-                        self.registry.mark_down(&decode.url);
-                        Err(self.upstream(Pool::Decode, format!("{}: the token stream broke", decode.url)))
-                    }
-                }
-            };
-            let out = match event {
-                Ok(GenerateEvent::Reserved { .. }) => continue,
-                Ok(GenerateEvent::Token {
-                    id,
-                    logprob,
-                    top_logprobs,
-                }) => {
-                    if first_token.is_none() {
-                        first_token = Some(Instant::now());
-                        match (local, prefilled) {
-                            (true, _) => self.observe_stage(
-                                labels::STAGE_PREFILL,
-                                reserved.elapsed().as_secs_f64(),
-                            ),
-                            (false, Some(t)) => self.observe_stage(
-                                labels::STAGE_FIRST_DECODE,
-                                t.elapsed().as_secs_f64(),
-                            ),
-                            (false, None) => {}
-                        }
-                    }
-                    Ok(SeqEvent::Token {
-                        id,
-                        logprob,
-                        top_logprobs,
-                    })
-                }
-                Ok(GenerateEvent::Finished {
-                    reason,
-                    prompt_tokens,
-                    completion_tokens,
-                }) => Ok(SeqEvent::Finished {
-                    reason,
-                    prompt_tokens,
-                    completion_tokens,
-                }),
-                Ok(GenerateEvent::Error(e)) => Err(self.worker_error(Pool::Decode, e)),
-                Err(e) => Err(e),
-            };
-            let done = !matches!(out, Ok(SeqEvent::Token { .. }));
-            if done && out.is_ok() {
-                // The KV arrived (the decode finished), but the prefill
-                // worker's answer may still be on its way: let it land, for
-                // the stage metrics, rather than cancel a finished job.
-                if let Some(mut p) = prefill.take() {
-                    if let Ok(Ok(Ok(_))) =
-                        tokio::time::timeout(Duration::from_secs(2), &mut p.0).await
-                    {
-                        self.observe_stage(labels::STAGE_FIRST_DECODE, 0.0);
-                    }
-                }
-            }
-            if tx.send(out).await.is_err() || done {
-                return;
-            }
-        }
     }
 
     fn observe_stage(&self, stage: &str, secs: f64) {
