@@ -57,12 +57,7 @@ async fn concurrent_sequences_batch_without_changing_tokens() {
             "sequence {i}"
         );
     }
-    let metrics = reqwest::get(format!("{}/metrics", w.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = pdserve_testkit::http::metrics(&w.url).await;
     assert!(
         metrics.contains("pdserve_decode_batch_size_bucket"),
         "{metrics}"
@@ -109,12 +104,7 @@ async fn remote_kv_in_chunks_gives_exactly_the_local_tokens() {
             ..
         })
     ));
-    let metrics = reqwest::get(format!("{}/metrics", w.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = pdserve_testkit::http::metrics(&w.url).await;
     assert!(
         metrics.contains("pdserve_kv_transfer_bytes_total"),
         "{metrics}"

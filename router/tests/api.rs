@@ -334,12 +334,7 @@ async fn tokenize_detokenize_and_models() {
         .unwrap();
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["id"], MODEL);
-    let metrics = reqwest::get(format!("{}/metrics", c.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = pdserve_testkit::http::metrics(&c.url).await;
     assert!(
         metrics.contains("pdserve_workers{pool=\"decode\",state=\"ready\"} 1"),
         "{metrics}"

@@ -32,8 +32,8 @@ fn cuda(ordinal: usize) -> Result<Device> {
 
 #[cfg(not(feature = "cuda"))]
 fn cuda(_ordinal: usize) -> Result<Device> {
-    Err(EngineError::Unsupported(
-        "this build has no CUDA support (rebuild with the `cuda` feature)".into(),
+    Err(EngineError::unsupported(
+        "this build has no CUDA support (rebuild with the `cuda` feature)",
     ))
 }
 
@@ -49,7 +49,7 @@ mod tests {
         #[cfg(not(feature = "cuda"))]
         assert!(matches!(
             parse_device("cuda:0"),
-            Err(EngineError::Unsupported(_))
+            Err(EngineError::Text(pdserve_text::TextError::Unsupported(_)))
         ));
     }
 }

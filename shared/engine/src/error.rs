@@ -2,31 +2,22 @@
 
 use pdserve_protocol::internal::{ErrorBody, ErrorClass, ErrorKind};
 
+use pdserve_text::TextError;
+
 use crate::kv::KvError;
 
 /// Errors raised by model loading, the forward pass, tokenization and templating.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    /// The model file could not be opened or read.
-    #[error("cannot read model file {path}: {source}")]
-    Io {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    /// The GGUF file is malformed or lacks something the engine needs.
-    #[error("invalid model file: {0}")]
-    InvalidModel(String),
-    /// The model's architecture or tensor layout is not supported.
-    #[error("unsupported model: {0}")]
-    Unsupported(String),
     /// A tensor operation failed inside candle.
     #[error("tensor operation failed: {0}")]
     Candle(#[from] candle_core::Error),
     /// The KV cache refused an operation (budget exhausted, capacity exceeded, bad import).
     #[error(transparent)]
     Kv(#[from] KvError),
-    /// Reading the model's metadata, tokenizing or templating failed.
+    /// The model file could not be read, is malformed or is not supported
+    /// (`TextError::{Io, InvalidModel, Unsupported}`); or tokenizing or
+    /// templating failed.
     #[error(transparent)]
     Text(#[from] pdserve_text::TextError),
     /// The caller passed something the engine cannot process (empty prompt, bad token id, ...).
@@ -39,6 +30,16 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// The model file is malformed or lacks something the engine needs.
+    pub fn invalid_model(message: impl Into<String>) -> Self {
+        Self::Text(TextError::InvalidModel(message.into()))
+    }
+
+    /// The model's architecture, tensor layout or device is not supported.
+    pub fn unsupported(message: impl Into<String>) -> Self {
+        Self::Text(TextError::Unsupported(message.into()))
+    }
+
     /// The error as it crosses the wire, with `class`.
     pub fn to_wire(&self, class: ErrorClass) -> ErrorBody {
         ErrorBody {
@@ -51,9 +52,6 @@ impl EngineError {
     /// A short stable name, for metric labels and error codes.
     pub fn kind(&self) -> &'static str {
         match self {
-            Self::Io { .. } => "io",
-            Self::InvalidModel(_) => "invalid_model",
-            Self::Unsupported(_) => "unsupported_model",
             Self::Candle(_) => "tensor",
             Self::Kv(e) => e.kind(),
             Self::Text(e) => e.kind(),

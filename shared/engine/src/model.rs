@@ -118,7 +118,7 @@ impl Loader<'_> {
     fn qtensor(&mut self, name: &str) -> Result<QTensor> {
         self.content
             .tensor(&mut self.reader, name, self.device)
-            .map_err(|e| EngineError::InvalidModel(format!("tensor `{name}`: {e}")))
+            .map_err(|e| EngineError::invalid_model(format!("tensor `{name}`: {e}")))
     }
 
     fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
@@ -139,13 +139,15 @@ impl Model {
     /// Loads a Llama-family GGUF file, converting weights to `opts.weights`.
     pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Self> {
         let path = path.as_ref();
-        let io = |source| EngineError::Io {
-            path: path.display().to_string(),
-            source,
+        let io = |source| {
+            EngineError::Text(pdserve_text::TextError::Io {
+                path: path.display().to_string(),
+                source,
+            })
         };
         let mut reader = BufReader::new(File::open(path).map_err(io)?);
         let content = Content::read(&mut reader)
-            .map_err(|e| EngineError::InvalidModel(format!("{}: {e}", path.display())))?;
+            .map_err(|e| EngineError::invalid_model(format!("{}: {e}", path.display())))?;
         // The hyper-parameters come from the same header, read without candle.
         let cfg = ModelConfig::from_gguf_file(path)?;
         let fingerprint = crate::fingerprint::of_content(&content, opts.weights);
@@ -469,8 +471,8 @@ fn check_shapes(cfg: &ModelConfig, layers: &[Layer], lm_head: &Linear) -> Result
             || l.wo.out_dim() != cfg.hidden_size
     });
     if bad || lm_head.out_dim() != cfg.vocab_size {
-        return Err(EngineError::InvalidModel(
-            "tensor shapes do not match the metadata's hyper-parameters".into(),
+        return Err(EngineError::invalid_model(
+            "tensor shapes do not match the metadata's hyper-parameters",
         ));
     }
     Ok(())

@@ -77,13 +77,13 @@ impl Linear {
     pub fn new(parts: Vec<QTensor>, format: WeightFormat, device: &Device) -> Result<Self> {
         let first = parts
             .first()
-            .ok_or_else(|| EngineError::InvalidModel("linear layer without weights".into()))?;
+            .ok_or_else(|| EngineError::invalid_model("linear layer without weights"))?;
         let in_dim = dims2(first)?.1;
         let mut out_dim = 0;
         for p in &parts {
             let (o, i) = dims2(p)?;
             if i != in_dim {
-                return Err(EngineError::InvalidModel(format!(
+                return Err(EngineError::invalid_model(format!(
                     "fused weights disagree on input size: {i} vs {in_dim}"
                 )));
             }
@@ -192,7 +192,7 @@ fn q8_0(parts: Vec<QTensor>, padded_in: usize, device: &Device) -> Result<QMatMu
     let dtype = GgmlDType::Q8_0;
     let (in_dim, block) = (dims2(&parts[0])?.1, dtype.block_size());
     if in_dim % block != 0 || !padded_in.is_multiple_of(block) {
-        return Err(EngineError::Unsupported(format!(
+        return Err(EngineError::unsupported(format!(
             "input size {in_dim} is not a multiple of the Q8_0 block size"
         )));
     }

@@ -346,7 +346,7 @@ fn bad_inputs_are_errors_and_leave_the_kv_untouched() {
     assert!(m.prefill(&prompt(2), &mut wrong).is_err());
     assert!(matches!(
         Model::load(path.with_extension("missing"), &Default::default()),
-        Err(EngineError::Io { .. })
+        Err(EngineError::Text(pdserve_text::TextError::Io { .. }))
     ));
 }
 

@@ -55,6 +55,29 @@ pub trait Served: Send + Sync + 'static {
     fn readiness(&self) -> &Readiness;
     /// Work still in flight: queued, running, or delivering its result.
     fn in_flight(&self) -> u64;
+    /// `GET /metrics`.
+    fn metrics_page(&self) -> axum::response::Response;
+}
+
+/// The routes every worker has: `/health`, `/ready` (503 while draining),
+/// `/load` and `/metrics`.
+pub fn common_routes<S: Served>() -> axum::Router<Arc<S>> {
+    use axum::extract::State;
+    use axum::routing::get;
+    axum::Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route(
+            "/ready",
+            get(|State(s): State<Arc<S>>| async move { s.readiness().status() }),
+        )
+        .route(
+            "/load",
+            get(|State(s): State<Arc<S>>| async move { axum::Json(s.load_report()) }),
+        )
+        .route(
+            "/metrics",
+            get(|State(s): State<Arc<S>>| async move { s.metrics_page() }),
+        )
 }
 
 /// A built worker, ready to serve: its routes, what it registers as, its

@@ -19,9 +19,9 @@ mod sequence;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use axum::extract::{DefaultBodyLimit, State};
-use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::extract::DefaultBodyLimit;
+use axum::routing::post;
+use axum::Router;
 use pdserve_protocol::internal::{ErrorBody, GenerateEvent, LoadReport, Pool, SamplingSpec};
 use pdserve_protocol::kvwire::{KvDtype, KvShape};
 use pdserve_text::{ModelConfig, Sampled};
@@ -32,7 +32,7 @@ pub use sequence::{retire_closed, Outcome, SeqStream};
 
 use crate::queue::EngineStats;
 use crate::readiness::Readiness;
-use crate::server::{Served, Service};
+use crate::server::{common_routes, Served, Service};
 
 use lease::Pending;
 
@@ -156,12 +156,6 @@ impl<B: DecodeBackend> DecodeServer<B> {
     pub fn waiting_for_kv(&self) -> usize {
         self.pending().len()
     }
-
-    fn metrics_page(&self) -> axum::response::Response {
-        let (used, capacity) = self.backend.kv_usage();
-        self.metrics.kv_gauges(used, capacity);
-        crate::http::metrics_page(&self.metrics.registry)
-    }
 }
 
 impl<B: DecodeBackend> Served for DecodeServer<B> {
@@ -170,19 +164,7 @@ impl<B: DecodeBackend> Served for DecodeServer<B> {
         Router::new()
             .route("/v1/internal/generate", post(generate::generate::<B>))
             .route("/v1/internal/kv/{request_id}", post(ingest::ingest::<B>))
-            .route("/health", get(|| async { "ok" }))
-            .route(
-                "/ready",
-                get(|State(s): State<Arc<Self>>| async move { s.readiness.status() }),
-            )
-            .route(
-                "/load",
-                get(|State(s): State<Arc<Self>>| async move { Json(s.load_report()) }),
-            )
-            .route(
-                "/metrics",
-                get(|State(s): State<Arc<Self>>| async move { s.metrics_page() }),
-            )
+            .merge(common_routes::<Self>())
             .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
             .with_state(self.clone())
     }
@@ -204,5 +186,11 @@ impl<B: DecodeBackend> Served for DecodeServer<B> {
     /// Sequences queued, running or waiting for their KV.
     fn in_flight(&self) -> u64 {
         self.backend.stats().in_flight() + self.waiting_for_kv() as u64
+    }
+
+    fn metrics_page(&self) -> axum::response::Response {
+        let (used, capacity) = self.backend.kv_usage();
+        self.metrics.kv_gauges(used, capacity);
+        crate::http::metrics_page(&self.metrics.registry)
     }
 }

@@ -16,9 +16,8 @@ mod metrics;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use axum::extract::State;
-use axum::routing::{delete, get, post};
-use axum::{Json, Router};
+use axum::routing::{delete, post};
+use axum::Router;
 use bytes::Bytes;
 use pdserve_protocol::internal::{ErrorBody, ErrorKind, LoadReport, Pool, PrefillJob};
 use pdserve_text::ModelConfig;
@@ -30,7 +29,7 @@ pub use metrics::PrefillMetrics;
 
 use crate::queue::EngineStats;
 use crate::readiness::Readiness;
-use crate::server::{Served, Service};
+use crate::server::{common_routes, Served, Service};
 
 /// A prefill engine: the real model or a simulation of it.
 pub trait PrefillBackend: Send + Sync + 'static {
@@ -124,21 +123,7 @@ impl<B: PrefillBackend> Served for PrefillServer<B> {
                 "/v1/internal/prefill/{request_id}",
                 delete(handler::cancel::<B>),
             )
-            .route("/health", get(|| async { "ok" }))
-            .route(
-                "/ready",
-                get(|State(s): State<Arc<Self>>| async move { s.readiness.status() }),
-            )
-            .route(
-                "/load",
-                get(|State(s): State<Arc<Self>>| async move { Json(s.load_report()) }),
-            )
-            .route(
-                "/metrics",
-                get(|State(s): State<Arc<Self>>| async move {
-                    crate::http::metrics_page(&s.metrics.registry)
-                }),
-            )
+            .merge(common_routes::<Self>())
             .with_state(self.clone())
     }
 
@@ -154,5 +139,9 @@ impl<B: PrefillBackend> Served for PrefillServer<B> {
     /// Jobs queued, running, or still delivering their KV.
     fn in_flight(&self) -> u64 {
         self.jobs().len() as u64
+    }
+
+    fn metrics_page(&self) -> axum::response::Response {
+        crate::http::metrics_page(&self.metrics.registry)
     }
 }
