@@ -41,8 +41,12 @@ pub struct Frontend {
 impl Frontend {
     /// Reads the tokenizer, template and context length; the weights are not touched.
     pub fn load(path: &Path, model_name: String, limits: Limits) -> anyhow::Result<Self> {
-        let tokenizer = Tokenizer::from_gguf_file(path)?;
-        let config = ModelConfig::from_gguf_file(path)?;
+        // One read of the header (it holds the whole vocabulary) for both.
+        let header = pdserve_text::gguf::Header::read_file(path)
+            .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
+        let tokenizer = Tokenizer::from_gguf(&header)?;
+        let config = ModelConfig::from_gguf(&header)?;
+        drop(header);
         Ok(Self {
             tokenizer: Arc::new(tokenizer),
             context_length: config.context_length,
