@@ -50,24 +50,19 @@ pub async fn post_json(url: &str, path: &str, body: &impl serde::Serialize) -> (
     (status, r.json().await.unwrap())
 }
 
+/// `GET url + path`, which must answer.
+pub async fn get(url: &str, path: &str) -> reqwest::Response {
+    reqwest::get(format!("{url}{path}")).await.unwrap()
+}
+
 /// A worker's `GET /load`.
 pub async fn load(url: &str) -> LoadReport {
-    reqwest::get(format!("{url}/load"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    get(url, "/load").await.json().await.unwrap()
 }
 
 /// A server's `GET /metrics` page.
 pub async fn metrics(url: &str) -> String {
-    reqwest::get(format!("{url}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    get(url, "/metrics").await.text().await.unwrap()
 }
 
 /// The value of `series` (name and labels, exactly as rendered) in a
