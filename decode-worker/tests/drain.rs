@@ -20,7 +20,10 @@ async fn spawn_worker(path: &std::path::Path, drain_seconds: u64) -> WorkerProce
 async fn reserve(url: &str, id: &str, n: u32, lease_ms: u64) -> (Lines, String) {
     let req = request(id, prompt(20, 1), n, KvSource::Remote { lease_ms });
     let mut lines = Lines::new(post(url, &req).await);
-    let Some(GenerateEvent::Reserved { kv_url: Some(kv) }) = lines.next().await else {
+    let Some(GenerateEvent::Reserved {
+        kv_url: Some(kv), ..
+    }) = lines.next().await
+    else {
         panic!("no reservation")
     };
     (lines, kv)

@@ -9,9 +9,10 @@ use std::sync::Arc;
 use clap::Parser;
 use common::*;
 use pdserve_prefill::EngineHandle;
-use pdserve_protocol::internal::{ErrorBody, ErrorKind};
+use pdserve_protocol::internal::ErrorKind;
 use pdserve_worker::Served;
 use pdserve_testkit::http::serve;
+use pdserve_testkit::ndjson::prefill_outcome;
 use pdserve_testkit::tiny::TinyModelSpec;
 use pdserve_worker::prefill::{PrefillBackend, PrefillMetrics};
 
@@ -103,8 +104,7 @@ async fn delete_cancels_a_running_job() {
     assert_eq!(del.status(), 200);
     sink.open();
     let resp = within(running).await.unwrap().unwrap();
-    assert_eq!(resp.status(), 400);
-    let e: ErrorBody = resp.json().await.unwrap();
+    let e = prefill_outcome(resp).await.unwrap_err();
     assert_eq!(e.kind, ErrorKind::Cancelled, "{e:?}");
     let gone = client
         .delete(format!("{url}/v1/internal/prefill/del"))

@@ -6,12 +6,12 @@ use std::sync::Arc;
 use clap::Parser;
 use pdserve_engine::{LoadOptions, Model, WeightFormat};
 use pdserve_protocol::internal::{
-    ErrorBody, ErrorKind, GenerateEvent, GenerateRequest, KvSource, PrefillJob, PrefillResult,
+    ErrorBody, ErrorClass, ErrorKind, GenerateEvent, GenerateRequest, KvSource, PrefillJob,
     SamplingSpec,
 };
 use pdserve_worker::Served;
 use pdserve_testkit::http::{metrics, post, serve};
-use pdserve_testkit::ndjson::{token_ids, Lines};
+use pdserve_testkit::ndjson::{prefill_outcome, token_ids, Lines};
 use pdserve_testkit::tiny::{TinyModel, TINY_EOS};
 
 struct Cluster {
@@ -82,7 +82,9 @@ async fn reserved_url(resp: &mut reqwest::Response) -> (String, Vec<u8>) {
         buf.extend_from_slice(&resp.chunk().await.unwrap().unwrap());
     }
     let i = buf.iter().position(|&b| b == b'\n').unwrap();
-    let GenerateEvent::Reserved { kv_url: Some(url) } = serde_json::from_slice(&buf[..i]).unwrap()
+    let GenerateEvent::Reserved {
+        kv_url: Some(url), ..
+    } = serde_json::from_slice(&buf[..i]).unwrap()
     else {
         panic!("no KV URL")
     };
@@ -109,8 +111,7 @@ async fn disaggregated_gives_exactly_the_aggregated_tokens() {
     let mut resp = generate(&c, "dis", p.clone(), KvSource::Remote { lease_ms: 10_000 }).await;
     let (url, rest) = reserved_url(&mut resp).await;
     let done = prefill(&c, "dis", p.clone(), &url).await;
-    assert_eq!(done.status(), 200);
-    let result: PrefillResult = done.json().await.unwrap();
+    let result = prefill_outcome(done).await.expect("the KV was delivered");
     assert_eq!((result.prompt_tokens, result.first_token), (30, local[0]));
     assert!(
         result.transfer_bytes > 30 * 2 * 2 * 32 * 4,
@@ -150,7 +151,8 @@ async fn f16_kv_transfer_completes() {
         rest.is_empty(),
         "nothing but the reservation before the KV arrives"
     );
-    assert_eq!(prefill(&c, "half", prompt(11), &url).await.status(), 200);
+    let done = prefill(&c, "half", prompt(11), &url).await;
+    prefill_outcome(done).await.expect("the KV was delivered");
     let (tokens, last) = run_stream(resp).await;
     assert_eq!(tokens.len(), 12);
     assert!(
@@ -175,9 +177,10 @@ async fn an_unreachable_decode_worker_is_a_retryable_error() {
         "http://127.0.0.1:9/v1/internal/kv/lost",
     )
     .await;
-    assert_eq!(resp.status(), 503);
-    let e: ErrorBody = resp.json().await.unwrap();
-    assert_eq!(e.kind, ErrorKind::KvUploadFailed, "{e:?}");
+    // Queued, then failed: an error line, retryable.
+    assert_eq!(resp.status(), 200);
+    let e = prefill_outcome(resp).await.unwrap_err();
+    assert_eq!((e.class, &e.kind), (ErrorClass::Retryable, &ErrorKind::KvUploadFailed), "{e:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -260,3 +260,43 @@ async fn a_prefill_slower_than_the_connect_timeout_is_not_retried() {
         "one prefill attempt, no retries"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_splits_evenly_over_equal_decode_workers_with_every_policy() {
+    // Regression: the router counted a decode assignment only until the
+    // reservation returned, then trusted the worker's next report; between
+    // two reports a burst landed on one worker (12 of 12).
+    for policy in ["least-load", "round-robin", "power-of-two"] {
+        let c = cluster(Opts {
+            decode: 2,
+            mock_args: &["--latency-scale", "1"],
+            // One report at start, then none during the burst.
+            router_args: &[
+                "--mode",
+                "aggregated",
+                "--decode-policy",
+                policy,
+                "--health-interval-ms",
+                "60000",
+            ],
+            ..Default::default()
+        })
+        .await;
+        // One after another, each reserved before the next is sent.
+        let mut streams = Vec::new();
+        for i in 0..12 {
+            let body = chat_body(&format!("prompt {i}"), json!({"max_tokens": 100, "stream": true}));
+            let resp = post(&c.url, "/v1/chat/completions", &body).await;
+            assert_eq!(resp.status(), 200);
+            let mut chunks = resp.bytes_stream();
+            chunks.next().await.unwrap().unwrap();
+            streams.push(chunks);
+        }
+        let running: Vec<u64> = c.decode.iter().map(|w| w.load_report().active_sequences).collect();
+        drop(streams);
+        assert!(
+            running.iter().all(|&n| (5..=7).contains(&n)),
+            "{policy}: 12 requests landed {running:?}"
+        );
+    }
+}

@@ -234,7 +234,10 @@ async fn a_broken_decode_worker_is_502() {
 async fn a_request_past_its_deadline_is_504() {
     // Reserves, then never produces a token.
     let stuck = decode_double(|| async {
-        let line = serde_json::to_string(&GenerateEvent::Reserved { kv_url: None }).unwrap() + "\n";
+        let line = serde_json::to_string(&GenerateEvent::Reserved {
+            kv_url: None,
+            report_seq: 0,
+        }).unwrap() + "\n";
         let s = futures_util::stream::once(async move { Ok::<_, std::io::Error>(line) })
             .chain(futures_util::stream::pending());
         axum::body::Body::from_stream(s)

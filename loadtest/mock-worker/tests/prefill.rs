@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::*;
 use pdserve_mock_worker::Worker;
 use pdserve_protocol::internal::{
-    ErrorBody, ErrorClass, ErrorKind, FinishReason, GenerateEvent, PrefillResult,
+    ErrorBody, ErrorClass, ErrorKind, FinishReason, GenerateEvent,
 };
 use pdserve_protocol::kvwire::{self, KvDtype, KvHeader};
 use serde_json::{json, Value};
@@ -45,7 +45,9 @@ async fn reserve(decode: &str, body: &Value) -> (Lines, String) {
     assert_eq!(resp.status(), 200);
     let mut lines = Lines::new(resp);
     match lines.next().await {
-        Some(GenerateEvent::Reserved { kv_url: Some(url) }) => (lines, url),
+        Some(GenerateEvent::Reserved {
+            kv_url: Some(url), ..
+        }) => (lines, url),
         other => panic!("{other:?}"),
     }
 }
@@ -69,8 +71,7 @@ async fn prefill_streams_real_kv_that_the_decode_worker_accepts() {
     );
     let (resp, kv_url) = reserve(&d.url, &body).await;
     let r = post(&p.url, "/v1/internal/prefill", &job("rt", &body, &kv_url)).await;
-    assert_eq!(r.status(), 200);
-    let result: PrefillResult = r.json().await.unwrap();
+    let result = prefill_outcome(r).await.expect("the KV was delivered");
     let kv = LAYERS * 2 * 40 * KV_HEADS * HEAD_DIM * 4;
     let framing = 51 + 2 + 3 * LAYERS * 32 + 17 + 8 * 2;
     assert_eq!(result.transfer_bytes, kv + framing);
@@ -148,11 +149,8 @@ async fn long_prompts_take_longer_to_prefill() {
     let body = generate_body("long", 400, json!({"max_tokens": 1}), remote(30_000));
     let (_resp, kv_url) = reserve(&d.url, &body).await;
     let started = std::time::Instant::now();
-    let result: PrefillResult = post(&p.url, "/v1/internal/prefill", &job("long", &body, &kv_url))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let r = post(&p.url, "/v1/internal/prefill", &job("long", &body, &kv_url)).await;
+    let result = prefill_outcome(r).await.expect("the KV was delivered");
     assert!(
         started.elapsed() >= Duration::from_millis(400),
         "{:?}",
@@ -205,12 +203,9 @@ async fn a_full_queue_is_overloaded_and_a_delete_cancels() {
             .await
             .unwrap();
         assert_eq!(del.status(), 200);
-        let r = job.await.unwrap();
-        assert_eq!(r.status(), 400);
-        assert_eq!(
-            r.json::<ErrorBody>().await.unwrap().kind,
-            ErrorKind::Cancelled
-        );
+        // Queued, then cancelled: an error line.
+        let e = prefill_outcome(job.await.unwrap()).await.unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Cancelled);
     }
     let gone = client
         .delete(format!("{}/v1/internal/prefill/q0", p.url))

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdserve_protocol::internal::{
-    ErrorBody, FinishReason, GenerateEvent, GenerateRequest, KvSource, Pool, PrefillJob,
-    PrefillResult, SamplingSpec,
+    ErrorBody, FinishReason, GenerateEvent, GenerateRequest, KvSource, Pool, PrefillEvent,
+    PrefillJob, PrefillResult, SamplingSpec,
 };
 use pdserve_runtime::metrics::labels;
 use tokio::sync::mpsc;
@@ -26,7 +26,7 @@ use crate::error::ApiError;
 use crate::metrics::{pool_label, RouterMetrics};
 use crate::ndjson::LineReader;
 use crate::policy::{Policy, RequestInfo};
-use crate::registry::{Registry, WorkerView};
+use crate::registry::{Assignment, Registry, WorkerView};
 use pump::Pump;
 
 /// Events buffered between the upstream reader and the client.
@@ -90,6 +90,8 @@ struct Decode {
     reader: LineReader,
     kv_url: Option<String>,
     fingerprint: Option<u64>,
+    /// Counts the sequence on the worker until its report does.
+    _assigned: Assignment,
 }
 
 impl Dispatcher {
@@ -185,8 +187,8 @@ impl Dispatcher {
                 break;
             };
             tried.push(w.url.clone());
-            let _assigned = self.registry.assign(&w.url, info.reserve_tokens);
-            match self.try_decode(&w, &body).await {
+            let assigned = self.registry.assign(&w.url, info.reserve_tokens);
+            match self.try_decode(&w, &body, assigned).await {
                 Ok(d) => return Ok(d),
                 Err(e) if e.status().is_server_error() => last = e,
                 Err(e) => return Err(e),
@@ -195,7 +197,12 @@ impl Dispatcher {
         Err(last)
     }
 
-    async fn try_decode(&self, w: &WorkerView, body: &GenerateRequest) -> Result<Decode, ApiError> {
+    async fn try_decode(
+        &self,
+        w: &WorkerView,
+        body: &GenerateRequest,
+        assigned: Assignment,
+    ) -> Result<Decode, ApiError> {
         let url = format!("{}/v1/internal/generate", w.url);
         let resp = self
             .post(Pool::Decode, (&w.url, &url), body, self.cfg.connect_timeout)
@@ -206,12 +213,16 @@ impl Dispatcher {
         let first = first
             .map_err(|_| self.upstream(Pool::Decode, format!("{} sent no reservation", w.url)))?;
         match first {
-            Ok(Some(GenerateEvent::Reserved { kv_url })) => Ok(Decode {
-                url: w.url.clone(),
-                reader,
-                kv_url,
-                fingerprint: w.fingerprint,
-            }),
+            Ok(Some(GenerateEvent::Reserved { kv_url, report_seq })) => {
+                assigned.acknowledged(report_seq);
+                Ok(Decode {
+                    url: w.url.clone(),
+                    reader,
+                    kv_url,
+                    fingerprint: w.fingerprint,
+                    _assigned: assigned,
+                })
+            }
             Ok(Some(GenerateEvent::Error(e))) => Err(self.worker_error(Pool::Decode, e)),
             other => {
                 self.registry.mark_down(&w.url);
@@ -338,9 +349,9 @@ impl Dispatcher {
                 continue;
             };
             tried.push(w.url.clone());
-            let _assigned = self.registry.assign(&w.url, info.prompt_tokens);
+            let assigned = self.registry.assign(&w.url, info.prompt_tokens);
             let started = Instant::now();
-            let call = self.prefill_once(&w.url, &job);
+            let call = self.prefill_once(&w.url, &job, &assigned);
             let result = tokio::time::timeout(self.cfg.prefill_timeout, call).await;
             match result {
                 Ok(Ok(r)) => {
@@ -361,13 +372,29 @@ impl Dispatcher {
         Err(last)
     }
 
-    async fn prefill_once(&self, base: &str, job: &PrefillJob) -> Result<PrefillResult, ApiError> {
+    /// One attempt: the worker answers `queued` (acknowledging the job for
+    /// the load accounting), then `done` once the KV is delivered.
+    async fn prefill_once(
+        &self,
+        base: &str,
+        job: &PrefillJob,
+        assigned: &Assignment,
+    ) -> Result<PrefillResult, ApiError> {
         let url = format!("{base}/v1/internal/prefill");
         let within = self.cfg.prefill_timeout;
         let resp = self.post(Pool::Prefill, (base, &url), job, within).await?;
-        resp.json::<PrefillResult>()
-            .await
-            .map_err(|e| self.upstream(Pool::Prefill, format!("{base}: bad prefill result: {e}")))
+        let mut reader = LineReader::new(resp);
+        loop {
+            match reader.next::<PrefillEvent>().await {
+                Ok(Some(PrefillEvent::Queued { report_seq })) => assigned.acknowledged(report_seq),
+                Ok(Some(PrefillEvent::Done(result))) => return Ok(result),
+                Ok(Some(PrefillEvent::Error(e))) => return Err(self.worker_error(Pool::Prefill, e)),
+                Ok(None) | Err(_) => {
+                    let message = format!("{base}: the prefill answer broke off");
+                    return Err(self.upstream(Pool::Prefill, message));
+                }
+            }
+        }
     }
 
     fn observe_prefill(&self, r: &PrefillResult, total: Duration) {

@@ -3,8 +3,10 @@
 //! - `POST /v1/internal/generate` (decode worker): a [`GenerateRequest`]; the
 //!   response is a stream of [`GenerateEvent`]s, one JSON object per line.
 //! - `POST /v1/internal/prefill` (prefill worker): a [`PrefillJob`]; the
-//!   response is a [`PrefillResult`] once the KV is delivered, or an
-//!   [`ErrorBody`].
+//!   response is a stream of [`PrefillEvent`]s, one JSON object per line:
+//!   `queued` at once, then `done` (a [`PrefillResult`], once the KV is
+//!   delivered) or `error`. A job refused before it is queued is an
+//!   [`ErrorBody`] with its HTTP status.
 //! - `GET /load` (both): a [`LoadReport`].
 
 use serde::{Deserialize, Serialize};
@@ -12,7 +14,7 @@ use serde::{Deserialize, Serialize};
 pub use crate::error::{ErrorBody, ErrorClass, ErrorKind};
 
 /// Version of this API; sent in the `x-pdserve-api` header.
-pub const API_VERSION: u32 = 1;
+pub const API_VERSION: u32 = 2;
 /// Header that carries the request id through every process.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 /// Longest accepted request id, in bytes.
@@ -92,8 +94,14 @@ pub enum FinishReason {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "event")]
 pub enum GenerateEvent {
-    /// KV capacity is reserved; for a remote source, the KV can be sent to `kv_url`.
-    Reserved { kv_url: Option<String> },
+    /// KV capacity is reserved; for a remote source, the KV can be sent to
+    /// `kv_url`. Every load report the worker numbers above `report_seq`
+    /// counts this sequence.
+    Reserved {
+        kv_url: Option<String>,
+        #[serde(default)]
+        report_seq: u64,
+    },
     /// A generated token.
     Token {
         id: u32,
@@ -123,6 +131,20 @@ pub struct PrefillJob {
     pub deadline_ms: u64,
 }
 
+/// One line of a prefill job's answer (`application/x-ndjson`): `queued`
+/// as soon as the job is accepted, then `done` or `error`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "event")]
+pub enum PrefillEvent {
+    /// The job is queued; every load report numbered above `report_seq`
+    /// counts it.
+    Queued { report_seq: u64 },
+    /// The KV is delivered.
+    Done(PrefillResult),
+    /// The job failed after it was queued.
+    Error(ErrorBody),
+}
+
 /// A prefill job's result, once the KV is delivered.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PrefillResult {
@@ -149,6 +171,10 @@ pub struct LoadReport {
     pub tokens_per_second: f64,
     /// Ready to take work (model loaded, not draining).
     pub ready: bool,
+    /// Increases with every report the worker builds: work the worker
+    /// acknowledged at `report_seq = n` is counted by every report above n.
+    #[serde(default)]
+    pub report_seq: u64,
 }
 
 /// The two worker pools.
@@ -220,6 +246,27 @@ mod tests {
             r#"{"event":"error","class":"retryable","kind":"kv_exhausted","message":"full"}"#
         );
         assert_eq!(serde_json::from_str::<GenerateEvent>(&json).unwrap(), e);
+    }
+
+    #[test]
+    fn prefill_answers_are_tagged_lines() {
+        let q = PrefillEvent::Queued { report_seq: 7 };
+        let json = serde_json::to_string(&q).unwrap();
+        assert_eq!(json, r#"{"event":"queued","report_seq":7}"#);
+        let done = PrefillEvent::Done(PrefillResult {
+            request_id: "r".into(),
+            prompt_tokens: 3,
+            first_token: 9,
+            queue_seconds: 0.0,
+            compute_seconds: 0.5,
+            transfer_bytes: 10,
+        });
+        let json = serde_json::to_string(&done).unwrap();
+        assert!(json.starts_with(r#"{"event":"done","request_id":"r""#), "{json}");
+        assert_eq!(serde_json::from_str::<PrefillEvent>(&json).unwrap(), done);
+        // A reservation from an older worker, without report_seq, still reads.
+        let old: GenerateEvent = serde_json::from_str(r#"{"event":"reserved","kv_url":null}"#).unwrap();
+        assert_eq!(old, GenerateEvent::Reserved { kv_url: None, report_seq: 0 });
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Reading a worker's generate stream: one JSON object per line.
 
-use pdserve_protocol::internal::GenerateEvent;
+use pdserve_protocol::internal::{ErrorBody, GenerateEvent, PrefillEvent, PrefillResult};
 
 /// Reads the lines of a streamed response one by one, buffering partial ones.
 pub struct Lines {
@@ -18,14 +18,27 @@ impl Lines {
 
     /// The next event; `None` once the stream has ended.
     pub async fn next(&mut self) -> Option<GenerateEvent> {
+        self.next_as().await
+    }
+
+    /// The next line as a `T`; `None` once the stream has ended.
+    pub async fn next_as<T: serde::de::DeserializeOwned>(&mut self) -> Option<T> {
+        self.try_next_as().await.unwrap()
+    }
+
+    /// The next line as a `T`; `None` once the stream has ended, an error
+    /// when it broke off (the server went away).
+    pub async fn try_next_as<T: serde::de::DeserializeOwned>(
+        &mut self,
+    ) -> Result<Option<T>, reqwest::Error> {
         loop {
             if let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
                 let line: Vec<u8> = self.buf.drain(..=i).collect();
-                return Some(serde_json::from_slice(&line).unwrap());
+                return Ok(Some(serde_json::from_slice(&line).unwrap()));
             }
-            match self.resp.chunk().await.unwrap() {
+            match self.resp.chunk().await? {
                 Some(c) => self.buf.extend_from_slice(&c),
-                None => return None,
+                None => return Ok(None),
             }
         }
     }
@@ -66,4 +79,22 @@ pub fn token_ids(events: &[GenerateEvent]) -> Vec<u32> {
             _ => None,
         })
         .collect()
+}
+
+/// A prefill job's answer: its result, or the error it was refused with
+/// (an HTTP error before it was queued, an `error` line after).
+pub async fn prefill_outcome(resp: reqwest::Response) -> Result<PrefillResult, ErrorBody> {
+    if !resp.status().is_success() {
+        return Err(resp.json().await.unwrap());
+    }
+    let mut lines = Lines::new(resp);
+    match lines.next_as().await {
+        Some(PrefillEvent::Queued { .. }) => {}
+        other => panic!("a prefill answer starts with `queued`: {other:?}"),
+    }
+    match lines.next_as().await {
+        Some(PrefillEvent::Done(r)) => Ok(r),
+        Some(PrefillEvent::Error(e)) => Err(e),
+        other => panic!("a queued job ends with `done` or `error`: {other:?}"),
+    }
 }

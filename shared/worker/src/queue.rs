@@ -16,6 +16,8 @@ pub struct EngineStats {
     running: AtomicU64,
     /// Tokens per second of the last step or job, as f64 bits.
     tokens_per_second: AtomicU64,
+    /// Numbers the load reports (see [`EngineStats::acknowledge`]).
+    report_seq: AtomicU64,
 }
 
 impl EngineStats {
@@ -62,9 +64,24 @@ impl EngineStats {
             .store(rate.to_bits(), Ordering::Relaxed);
     }
 
+    /// The number to acknowledge work with, once it is counted (queued, or
+    /// its KV reserved): every report built from now on is numbered above it,
+    /// and counts the work. The router counts work it sent until a report
+    /// numbered above its acknowledgement arrives, so nothing is counted
+    /// twice (its own tally and the report) or dropped early.
+    pub fn acknowledge(&self) -> u64 {
+        // A read-modify-write, so that a report numbered above it
+        // synchronizes with it and sees the counters it follows.
+        self.report_seq.fetch_add(0, Ordering::AcqRel)
+    }
+
     /// The load report the router balances and scales on, without KV.
     pub fn report(&self, ready: bool) -> LoadReport {
+        // Numbered before the counters are read: it counts all work
+        // acknowledged with a lower number.
+        let report_seq = self.report_seq.fetch_add(1, Ordering::AcqRel) + 1;
         LoadReport {
+            report_seq,
             queued_requests: self.queued_requests(),
             queued_tokens: self.queued_tokens(),
             active_sequences: self.running(),

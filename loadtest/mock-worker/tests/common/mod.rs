@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use pdserve_testkit::http::{fetch_metric as metric, load, post, wait_until};
-pub use pdserve_testkit::ndjson::{events, token_ids, Lines};
+pub use pdserve_testkit::ndjson::{events, prefill_outcome, token_ids, Lines};
 
 /// The tiny model's shape: 2 layers, 2 KV heads of dim 16, 266 tokens.
 pub const LAYERS: u64 = 2;

@@ -28,7 +28,13 @@ pub(super) async fn generate<B: DecodeBackend>(
     let mut waiting = None;
     match req.kv_source {
         KvSource::Local => {
-            let _ = tx.send(GenerateEvent::Reserved { kv_url: None });
+            // Counted from here (the reservation is in the KV usage); the
+            // event goes first, before the engine can stream a token.
+            let report_seq = server.backend.stats().acknowledge();
+            let _ = tx.send(GenerateEvent::Reserved {
+                kv_url: None,
+                report_seq,
+            });
             server.backend.submit(DecodeJob {
                 request_id: req.request_id,
                 prompt: req.prompt_tokens,
@@ -48,7 +54,12 @@ pub(super) async fn generate<B: DecodeBackend>(
                     "this request id is already waiting for KV",
                 )));
             }
-            let _ = tx.send(GenerateEvent::Reserved { kv_url: Some(url) });
+            // Counted from here: the reservation is in the KV usage.
+            let report_seq = server.backend.stats().acknowledge();
+            let _ = tx.send(GenerateEvent::Reserved {
+                kv_url: Some(url),
+                report_seq,
+            });
             let lease = server.start_lease(&id, Duration::from_millis(lease_ms));
             let pending = Pending {
                 prompt: req.prompt_tokens,

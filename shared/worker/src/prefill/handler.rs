@@ -8,14 +8,15 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
 use bytes::Bytes;
-use pdserve_protocol::internal::{ErrorBody, ErrorKind, PrefillJob, PrefillResult};
-use pdserve_runtime::metrics::labels;
+use axum::response::Response;
+use futures_util::stream::{self, StreamExt};
+use pdserve_protocol::internal::{ErrorBody, ErrorKind, PrefillEvent, PrefillJob, PrefillResult};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{cancelled, Computed, PrefillBackend, PrefillServer, PrefillTask};
-use crate::http::{json_body, ApiError};
+use crate::http::{json_body, ndjson, ApiError};
 use crate::upload::upload;
 
 /// Frames queued between the engine and the upload.
@@ -57,10 +58,13 @@ impl<B: PrefillBackend> Drop for JobGuard<B> {
     }
 }
 
+/// `POST /v1/internal/prefill`: validate and queue the job, answer
+/// `queued` at once, then `done` once the KV is delivered (or `error`). The
+/// job is cancelled when the caller goes away.
 pub(super) async fn prefill<B: PrefillBackend>(
     State(server): State<Arc<PrefillServer<B>>>,
     body: Result<Json<PrefillJob>, JsonRejection>,
-) -> Result<Json<PrefillResult>, ApiError> {
+) -> Result<Response, ApiError> {
     let job = json_body(body)?;
     server.readiness.admit()?;
     crate::validate::prefill(server.backend.config(), &job)?;
@@ -81,32 +85,49 @@ pub(super) async fn prefill<B: PrefillBackend>(
         reply: reply_tx,
     };
     server.backend.submit(task)?;
-    let work = deliver(&server, &url, frames_rx, reply_rx);
-    // A cancel stops the upload too (dropping it aborts the stream, so the
-    // decode worker never commits the KV), unless the KV was delivered first.
-    let result = tokio::select! {
+    let queued = PrefillEvent::Queued {
+        report_seq: server.backend.stats().acknowledge(),
+    };
+    let outcome = async move {
+        let work = deliver(&server, &url, frames_rx, reply_rx);
+        let result = until_deadline_or_cancel(work, deadline, &guard.cancel).await;
+        drop(guard);
+        server.metrics.finished(result.is_ok());
+        match result {
+            Ok(c) => PrefillEvent::Done(PrefillResult {
+                request_id: id,
+                prompt_tokens: tokens,
+                first_token: c.first_token,
+                queue_seconds: c.queue_seconds,
+                compute_seconds: c.compute_seconds,
+                transfer_bytes: c.bytes,
+            }),
+            Err(e) => {
+                tracing::warn!(request_id = %id, "prefill failed: {e}");
+                PrefillEvent::Error(e)
+            }
+        }
+    };
+    let events = stream::once(std::future::ready(queued)).chain(stream::once(outcome));
+    Ok(ndjson(events))
+}
+
+/// `work`, unless the deadline passes or the job is cancelled first. A
+/// cancel stops the upload too (dropping it aborts the stream, so the
+/// decode worker never commits the KV), unless the KV was delivered first.
+async fn until_deadline_or_cancel(
+    work: impl std::future::Future<Output = Result<Computed, ErrorBody>>,
+    deadline: Duration,
+    cancel: &CancellationToken,
+) -> Result<Computed, ErrorBody> {
+    tokio::select! {
         biased;
         r = tokio::time::timeout(deadline, work) => r.unwrap_or_else(|_| Err(ErrorBody::retryable(
             ErrorKind::DeadlineExceeded,
             format!("KV not delivered within {} ms", deadline.as_millis()),
         ))),
-        _ = guard.cancel.cancelled() => Err(cancelled()),
-    };
-    drop(guard);
-    let status = match &result {
-        Ok(_) => labels::STATUS_OK,
-        Err(_) => labels::STATUS_ERROR,
-    };
-    server.metrics.requests.with_label_values(&[status]).inc();
-    let c = result.inspect_err(|e| tracing::warn!(request_id = %id, "prefill failed: {e}"))?;
-    Ok(Json(PrefillResult {
-        request_id: id,
-        prompt_tokens: tokens,
-        first_token: c.first_token,
-        queue_seconds: c.queue_seconds,
-        compute_seconds: c.compute_seconds,
-        transfer_bytes: c.bytes,
-    }))
+        _ = cancel.cancelled() => Err(cancelled()),
+    }
 }
 
 /// Uploads the frames while the engine produces them; done when both are.

@@ -51,6 +51,15 @@ impl PrefillMetrics {
             .set(stats.queued_tokens() as i64);
     }
 
+    /// Counts a finished job, delivered or failed.
+    pub fn finished(&self, ok: bool) {
+        let status = match ok {
+            true => labels::STATUS_OK,
+            false => labels::STATUS_ERROR,
+        };
+        self.requests.with_label_values(&[status]).inc();
+    }
+
     /// Records a finished prompt of `tokens` that took `secs` to compute.
     pub fn prompt_done(&self, tokens: usize, secs: f64) {
         self.prefill_seconds.observe(secs);

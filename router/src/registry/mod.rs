@@ -2,11 +2,16 @@
 //! report and health, fed by registrations and heartbeats, static lists, DNS
 //! and health polls. One lock around one map.
 
+mod assignment;
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use pdserve_protocol::internal::{Heartbeat, LoadReport, Pool, WorkerRegistration};
+
+pub use assignment::Assignment;
+use assignment::InFlight;
 
 /// How the router learnt about a worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,9 +62,8 @@ struct Entry {
     load: LoadReport,
     health: Health,
     last_seen: Instant,
-    /// Work the router has sent that the last load report may not include yet.
-    assigned_requests: u64,
-    assigned_tokens: u64,
+    /// Work the router has sent that the last load report does not count.
+    in_flight: InFlight,
     /// Health polls failed in a row.
     failed_polls: u32,
 }
@@ -104,8 +108,7 @@ impl Registry {
             load: LoadReport::default(),
             health: Health::Starting,
             last_seen: Instant::now(),
-            assigned_requests: 0,
-            assigned_tokens: 0,
+            in_flight: InFlight::default(),
             failed_polls: 0,
         });
         entry.pool = pool;
@@ -159,6 +162,7 @@ impl Registry {
         };
         e.health = health_of(&load);
         e.failed_polls = 0;
+        e.in_flight.reported(load.report_seq);
         e.load = load;
         e.last_seen = Instant::now();
         true
@@ -225,12 +229,15 @@ impl Registry {
                 (Some(a), Some(b)) => a == b,
                 _ => true,
             })
-            .map(|(url, e)| WorkerView {
-                url: url.clone(),
-                load: e.load.clone(),
-                assigned_requests: e.assigned_requests,
-                assigned_tokens: e.assigned_tokens,
-                fingerprint: e.fingerprint,
+            .map(|(url, e)| {
+                let (assigned_requests, assigned_tokens) = e.in_flight.totals();
+                WorkerView {
+                    url: url.clone(),
+                    load: e.load.clone(),
+                    assigned_requests,
+                    assigned_tokens,
+                    fingerprint: e.fingerprint,
+                }
             })
             .collect()
     }
@@ -259,16 +266,21 @@ impl Registry {
             .count()
     }
 
-    /// Counts work sent to `url` until the returned guard is dropped.
+    /// Counts work of `tokens` sent to `url` until the worker's report
+    /// counts it (see [`Assignment::acknowledged`]) or the guard is dropped.
     pub fn assign(self: &Arc<Self>, url: &str, tokens: u64) -> Assignment {
-        if let Some(e) = self.lock().get_mut(url) {
-            e.assigned_requests += 1;
-            e.assigned_tokens += tokens;
-        }
+        let id = assignment::next_id();
+        self.with_in_flight(url, |f| f.add(id, tokens));
         Assignment {
             registry: self.clone(),
             url: url.to_string(),
-            tokens,
+            id,
+        }
+    }
+
+    fn with_in_flight(&self, url: &str, f: impl FnOnce(&mut InFlight)) {
+        if let Some(e) = self.lock().get_mut(url) {
+            f(&mut e.in_flight);
         }
     }
 
@@ -301,22 +313,6 @@ impl Registry {
             sum.ready |= e.health == Health::Ready;
         }
         sum
-    }
-}
-
-/// Work in flight on a worker, counted until dropped.
-pub struct Assignment {
-    registry: Arc<Registry>,
-    url: String,
-    tokens: u64,
-}
-
-impl Drop for Assignment {
-    fn drop(&mut self) {
-        if let Some(e) = self.registry.lock().get_mut(&self.url) {
-            e.assigned_requests = e.assigned_requests.saturating_sub(1);
-            e.assigned_tokens = e.assigned_tokens.saturating_sub(self.tokens);
-        }
     }
 }
 
@@ -409,13 +405,26 @@ mod tests {
     }
 
     #[test]
-    fn assignments_are_counted_until_dropped() {
+    fn assignments_count_until_a_later_report_or_dropped() {
         let r = Arc::new(Registry::default());
         r.add_static(Pool::Decode, "http://d");
         r.record_load("http://d", ready(0));
+        let assigned = |r: &Registry| r.candidates(Pool::Decode, None)[0].assigned_tokens;
         let a = r.assign("http://d", 100);
-        assert_eq!(r.candidates(Pool::Decode, None)[0].assigned_tokens, 100);
+        let b = r.assign("http://d", 30);
+        assert_eq!(assigned(&r), 130);
+        a.acknowledged(4);
+        let report = |seq| LoadReport {
+            report_seq: seq,
+            ..ready(0)
+        };
+        r.record_load("http://d", report(4));
+        assert_eq!(assigned(&r), 130, "report 4 may predate the acknowledgement");
+        r.record_load("http://d", report(5));
+        assert_eq!(assigned(&r), 30, "report 5 counts it: not twice");
         drop(a);
-        assert_eq!(r.candidates(Pool::Decode, None)[0].assigned_tokens, 0);
+        assert_eq!(assigned(&r), 30);
+        drop(b);
+        assert_eq!(assigned(&r), 0);
     }
 }
