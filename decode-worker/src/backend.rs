@@ -23,9 +23,9 @@ impl KvImport for RealKv {
             .map_err(|e| ErrorBody::from(&e))
     }
 
-    fn finish(&mut self, n_tokens: usize) -> Result<(), ErrorBody> {
+    fn finish(&mut self, tokens: &[u32]) -> Result<(), ErrorBody> {
         self.0
-            .finish_import(n_tokens)
+            .finish_import(tokens)
             .map_err(|e| ErrorBody::from(&e))
     }
 

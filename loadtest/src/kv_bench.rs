@@ -92,7 +92,7 @@ fn filled(pool: &KvPool, tokens: usize) -> Result<SeqKv> {
     for l in 0..layout.n_layers {
         kv.import_rows(l, KvDtype::F32, 0, tokens, &values[..half], &values[..half])?;
     }
-    kv.finish_import(tokens)?;
+    kv.finish_import(&vec![0; tokens])?;
     Ok(kv)
 }
 
@@ -215,7 +215,7 @@ fn import(pool: &KvPool, events: &[KvEvent], dtype: KvDtype, tokens: usize) -> R
             dst.import_rows(f.layer_start as usize, dtype, 0, tokens, k, v)?;
         }
     }
-    dst.finish_import(tokens)?;
+    dst.finish_import(&vec![0; tokens])?;
     Ok(dst)
 }
 

@@ -104,7 +104,7 @@ impl KvImport for Reservation {
         Ok(())
     }
 
-    fn finish(&mut self, _n_tokens: usize) -> Result<(), ErrorBody> {
+    fn finish(&mut self, _tokens: &[u32]) -> Result<(), ErrorBody> {
         Ok(())
     }
 

@@ -69,10 +69,12 @@ impl Rope {
     }
 }
 
-/// One sequence's view for attention: its KV in this layer.
+/// One sequence's view for attention: its KV in this layer, block by block
+/// (each slice holds `block_tokens` rows, the last one possibly fewer).
 pub(crate) struct SeqView<'a> {
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+    pub k: Vec<&'a [f32]>,
+    pub v: Vec<&'a [f32]>,
+    pub block_tokens: usize,
 }
 
 /// Causal attention. `q` is `[rows, n_heads * head_dim]`; row `r` belongs to
@@ -143,21 +145,32 @@ fn attend_one(
     let q = &q[q0..q0 + group * hd];
     let ctx = pos + 1;
     let scale = 1.0 / (hd as f32).sqrt();
+    let head = kvh * hd;
     scores.clear();
     scores.resize(group * ctx, 0.0);
-    for t in 0..ctx {
-        let k = &view.k[t * kv_row + kvh * hd..][..hd];
-        for g in 0..group {
-            scores[g * ctx + t] = simd::dot(&q[g * hd..(g + 1) * hd], k) * scale;
+    let b = view.block_tokens;
+    for (i, block) in view.k.iter().enumerate().take(ctx.div_ceil(b)) {
+        let t0 = i * b;
+        for (j, k) in block.chunks_exact(kv_row).take(ctx - t0).enumerate() {
+            let k = &k[head..head + hd];
+            for g in 0..group {
+                scores[g * ctx + t0 + j] = simd::dot(&q[g * hd..(g + 1) * hd], k) * scale;
+            }
         }
     }
-    out.fill(0.0);
     for g in 0..group {
         let s = &mut scores[g * ctx..(g + 1) * ctx];
         let total = simd::exp_shifted(s, simd::max(s));
-        let o = &mut out[g * hd..(g + 1) * hd];
-        for (t, p) in s.iter().enumerate() {
-            simd::axpy(*p / total, &view.v[t * kv_row + kvh * hd..][..hd], o);
+        s.iter_mut().for_each(|p| *p /= total);
+    }
+    out.fill(0.0);
+    for (i, block) in view.v.iter().enumerate().take(ctx.div_ceil(b)) {
+        let t0 = i * b;
+        for (j, v) in block.chunks_exact(kv_row).take(ctx - t0).enumerate() {
+            let v = &v[head..head + hd];
+            for g in 0..group {
+                simd::axpy(scores[g * ctx + t0 + j], v, &mut out[g * hd..(g + 1) * hd]);
+            }
         }
     }
 }
@@ -223,6 +236,16 @@ mod tests {
         out
     }
 
+    /// Contiguous rows cut into blocks of `block_tokens`.
+    fn paged<'a>(k: &'a [f32], v: &'a [f32], kv_row: usize, block_tokens: usize) -> SeqView<'a> {
+        let cut = |x: &'a [f32]| x.chunks(block_tokens * kv_row).collect();
+        SeqView {
+            k: cut(k),
+            v: cut(v),
+            block_tokens,
+        }
+    }
+
     fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
             .map(|i| {
@@ -248,7 +271,7 @@ mod tests {
         // Rows: the last token of seq 0, the last three of seq 1, one of seq 2 at pos 1.
         let row_seq = vec![(0, 0), (1, 4), (1, 5), (1, 6), (2, 1)];
         let q = values(row_seq.len() * h.n_heads * h.head_dim, 7);
-        let seqs: Vec<SeqView> = ks.iter().zip(&vs).map(|(k, v)| SeqView { k, v }).collect();
+        let seqs: Vec<SeqView> = ks.iter().zip(&vs).map(|(k, v)| paged(k, v, kv_row, 2)).collect();
         let mut out = vec![0f32; q.len()];
         attention(&q, &seqs, &row_seq, h, &mut out);
         let w = h.n_heads * h.head_dim;
@@ -288,7 +311,8 @@ mod tests {
         let ks: Vec<Vec<f32>> = (0..seqs)
             .map(|i| values(ctx * h.n_kv_heads * h.head_dim, i as u32))
             .collect();
-        let views: Vec<SeqView> = ks.iter().map(|k| SeqView { k, v: k }).collect();
+        let kv_row = h.n_kv_heads * h.head_dim;
+        let views: Vec<SeqView> = ks.iter().map(|k| paged(k, k, kv_row, 16)).collect();
         let row_seq: Vec<(usize, usize)> = (0..seqs).map(|i| (i, ctx - 1)).collect();
         let q = values(seqs * h.n_heads * h.head_dim, 5);
         let mut out = vec![0f32; q.len()];

@@ -21,7 +21,10 @@ mod weights;
 mod wire;
 
 pub use error::{EngineError, Result};
-pub use kv::{KvDtype, KvError, KvLayout, KvPool, KvUsage, SeqKv};
+pub use kv::{
+    BlockCounts, KvConfig, KvDtype, KvError, KvLayout, KvPool, KvUsage, PrefixStats, SeqKv,
+    DEFAULT_BLOCK_TOKENS,
+};
 pub use model::{every_layer, LoadOptions, Logits, Model, OnLayer, Segment};
 pub use pdserve_text::{ChatMessage, ChatTemplate, ModelConfig, PromptError, Tokenizer};
 pub use weights::WeightFormat;

@@ -16,7 +16,7 @@ use candle_core::{Device, Tensor};
 
 use crate::attention::{attention, rms_norm, swiglu, Heads, Rope, SeqView};
 use crate::error::{EngineError, Result};
-use crate::kv::{KvLayout, SeqKv};
+use crate::kv::{Half, KvLayout, SeqKv};
 use crate::profile::{Stage, StageClock};
 use crate::weights::{dequantized, Linear, WeightFormat};
 use pdserve_text::ModelConfig;
@@ -245,7 +245,7 @@ impl Model {
         let result = self.run_layers(segs, &rows, on_layer);
         for s in segs.iter_mut() {
             if result.is_ok() {
-                s.kv.commit(s.tokens.len());
+                s.kv.commit(s.tokens);
             } else {
                 s.kv.rollback();
             }
@@ -354,9 +354,10 @@ impl Model {
         }
         let views: Vec<SeqView> = segs
             .iter()
-            .map(|s| {
-                let (k, v) = s.kv.layer(l);
-                SeqView { k, v }
+            .map(|s| SeqView {
+                k: s.kv.layer_blocks(l, Half::K),
+                v: s.kv.layer_blocks(l, Half::V),
+                block_tokens: s.kv.block_tokens(),
             })
             .collect();
         let mut attn = vec![0f32; q.len()];

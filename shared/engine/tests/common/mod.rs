@@ -61,3 +61,15 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// K and V of one layer of `kv`, as f32 values.
+pub fn kv_layer(kv: &SeqKv, l: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut bytes = Vec::new();
+    kv.export_layer(l, pdserve_engine::KvDtype::F32, &mut bytes);
+    let vals: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let (k, v) = vals.split_at(vals.len() / 2);
+    (k.to_vec(), v.to_vec())
+}

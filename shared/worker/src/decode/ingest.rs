@@ -95,7 +95,7 @@ async fn receive<B: DecodeBackend>(
                 }
                 KvEvent::Layers(frame) => import(&mut pending.kv, dtype, &frame)?,
                 KvEvent::End(t) => {
-                    pending.kv.finish(n_tokens)?;
+                    pending.kv.finish(&pending.prompt)?;
                     let first = Sampled {
                         token: t.first_token,
                         logprob: t.first_logprob,

@@ -94,8 +94,8 @@ pub struct KvRows<'a> {
 pub trait KvImport: Send + 'static {
     /// Imports rows of one layer.
     fn import(&mut self, rows: KvRows<'_>) -> Result<(), ErrorBody>;
-    /// The whole prompt of `n_tokens` is in.
-    fn finish(&mut self, n_tokens: usize) -> Result<(), ErrorBody>;
+    /// The whole prompt, `tokens`, is in.
+    fn finish(&mut self, tokens: &[u32]) -> Result<(), ErrorBody>;
     /// Forgets a partial import (the upload failed; another may follow).
     fn reset(&mut self);
 }
