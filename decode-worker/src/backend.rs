@@ -1,36 +1,45 @@
 //! The real engine as the worker layer's [`DecodeBackend`]: reservations in
-//! the model's KV pool, KV imported into them, sequences run by the
-//! continuous-batching thread.
+//! the model's paged KV pool (with its prefix cache), KV imported into them,
+//! sequences run by the continuous-batching thread.
 
 use std::sync::Arc;
 
 use pdserve_engine::{KvDtype as EngineDtype, KvPool, Model, ModelConfig, SeqKv};
-use pdserve_protocol::internal::ErrorBody;
+use pdserve_protocol::internal::{ErrorBody, ErrorKind};
 use pdserve_protocol::kvwire::KvShape;
 use pdserve_worker::decode::{DecodeBackend, DecodeJob, DecodeMetrics, KvImport, KvRows};
+use pdserve_worker::kv::KvReport;
 use pdserve_worker::queue::{EngineQueue, EngineStats};
 
 use crate::engine::{EngineConfig, Scheduler};
 
-/// A sequence's KV in the pool; dropping it returns its reservation.
-pub struct RealKv(pub SeqKv);
+/// A sequence's KV in the pool; dropping it gives its blocks back.
+pub struct RealKv {
+    pub kv: SeqKv,
+    /// Leading prompt tokens taken from the prefix cache.
+    pub cached: usize,
+}
 
 impl KvImport for RealKv {
     fn import(&mut self, r: KvRows<'_>) -> Result<(), ErrorBody> {
         let dtype = EngineDtype::from(r.dtype);
-        self.0
+        self.kv
             .import_rows(r.layer, dtype, r.start, r.n, r.k, r.v)
             .map_err(|e| ErrorBody::from(&e))
     }
 
     fn finish(&mut self, tokens: &[u32]) -> Result<(), ErrorBody> {
-        self.0
+        self.kv
             .finish_import(tokens)
             .map_err(|e| ErrorBody::from(&e))
     }
 
     fn reset(&mut self) {
-        self.0.truncate(0);
+        self.kv.truncate(self.cached);
+    }
+
+    fn cached(&self) -> usize {
+        self.cached
     }
 }
 
@@ -42,13 +51,18 @@ pub struct RealDecode {
 }
 
 impl RealDecode {
-    /// Starts the scheduler thread over `model`; `eos` ends a sequence
-    /// unless it asks to ignore it.
-    pub fn spawn(model: Arc<Model>, eos: u32, cfg: EngineConfig, metrics: Arc<DecodeMetrics>) -> Self {
+    /// Starts the scheduler thread over `model` and `pool`; `eos` ends a
+    /// sequence unless it asks to ignore it.
+    pub fn spawn(
+        model: Arc<Model>,
+        pool: KvPool,
+        eos: u32,
+        cfg: EngineConfig,
+        metrics: Arc<DecodeMetrics>,
+    ) -> Self {
         let (queue, rx) = EngineQueue::new(cfg.limits.max_queue);
         let stats = queue.stats().clone();
-        let pool = KvPool::new(model.kv_layout(), cfg.limits.kv_cache_tokens);
-        Scheduler::spawn(model.clone(), eos, cfg, metrics, stats, rx);
+        Scheduler::spawn(model.clone(), pool.clone(), eos, cfg, (metrics, stats), rx);
         Self { model, pool, queue }
     }
 
@@ -72,15 +86,27 @@ impl DecodeBackend for RealDecode {
         self.model.kv_shape()
     }
 
-    fn reserve(&self, tokens: usize) -> Result<RealKv, ErrorBody> {
-        self.pool
-            .allocate(tokens)
-            .map(RealKv)
-            .map_err(|e| ErrorBody::from(&e))
+    fn reserve(&self, prompt: &[u32], max_tokens: u32, reuse: bool) -> Result<RealKv, ErrorBody> {
+        let budget = self.pool.usage().budget_tokens;
+        let total = prompt.len() + max_tokens as usize;
+        if total > budget {
+            return Err(ErrorBody::fatal(
+                ErrorKind::KvCapacityExceeded,
+                format!("{total} tokens exceed the KV cache budget of {budget}"),
+            ));
+        }
+        let mut kv = self.pool.sequence();
+        let cached = match reuse {
+            true => kv.attach_prefix(prompt),
+            false => 0,
+        };
+        kv.reserve_to(prompt.len())
+            .map_err(|e| ErrorBody::from(&e))?;
+        Ok(RealKv { kv, cached })
     }
 
     fn submit(&self, job: DecodeJob<RealKv>) -> Result<(), ErrorBody> {
-        let tokens = job.prompt.len() as u64;
+        let tokens = (job.prompt.len() - job.kv.cached) as u64;
         self.queue.submit(job, tokens)
     }
 
@@ -88,8 +114,22 @@ impl DecodeBackend for RealDecode {
         self.queue.stats()
     }
 
-    fn kv_usage(&self) -> (u64, u64) {
-        let usage = self.pool.usage();
-        (usage.reserved_tokens as u64, usage.budget_tokens as u64)
+    fn kv_usage(&self) -> KvReport {
+        kv_report(&self.pool)
+    }
+}
+
+/// The pool's state as the worker layer reports it.
+pub fn kv_report(pool: &KvPool) -> KvReport {
+    let (u, p) = (pool.usage(), pool.prefix_stats());
+    KvReport {
+        used_tokens: u.reserved_tokens as u64,
+        capacity_tokens: u.budget_tokens as u64,
+        blocks_used: u.blocks.used as u64,
+        blocks_cached: u.blocks.cached as u64,
+        blocks_free: u.blocks.free as u64,
+        prefix_queried_tokens: p.queried_tokens,
+        prefix_hit_tokens: p.hit_tokens,
+        evictions: p.evictions,
     }
 }

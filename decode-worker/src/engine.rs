@@ -1,10 +1,16 @@
 //! The model thread: continuous batching over every active sequence.
 //!
 //! One loop owns the model. Between steps it takes new sequences from a
-//! bounded channel, prefills local prompts a chunk at a time, admits ready
-//! sequences into the batch, runs one batched decode step, streams each new
-//! token, and retires finished or cancelled sequences at once (dropping a
-//! sequence frees its KV).
+//! bounded channel, prefills waiting prompts a chunk at a time, admits ready
+//! sequences into the batch, gives every active sequence room for one more
+//! token (preempting the latest admitted when the KV runs out), runs one
+//! batched decode step, streams each new token, and retires finished or
+//! cancelled sequences at once (dropping a sequence frees its KV).
+//!
+//! A preempted sequence keeps its tokens and goes back to the front of the
+//! queue; its KV is recomputed (from the prefix cache where it is still
+//! there) and it resumes exactly where it was: sampling depends only on the
+//! seed, the position and the tokens so far.
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -12,64 +18,59 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use pdserve_engine::sampler::{sample, Sampled, SamplingParams, TokenCounts};
-use pdserve_engine::{Model, SeqKv};
+use pdserve_engine::{KvError, KvPool, Model, SeqKv};
 use pdserve_protocol::internal::{ErrorBody, ErrorClass, ErrorKind};
-use pdserve_worker::decode::{DecodeArgs, DecodeJob, DecodeMetrics, Outcome, SeqStream, retire_closed};
+use pdserve_worker::decode::{
+    retire_closed, DecodeArgs, DecodeJob, DecodeMetrics, Outcome, SeqStream,
+};
 use pdserve_worker::queue::EngineStats;
 use tokio::sync::mpsc;
 
 use crate::backend::RealKv;
+use crate::seq::Seq;
 
 /// Scheduler settings.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// Batch size, KV budget, prefill chunk and queue length.
+    /// Batch size, KV budget and blocks, prefill chunk and queue length.
     pub limits: DecodeArgs,
     /// Peak memory bandwidth, for the MBU estimate.
     pub peak_bytes_per_second: f64,
 }
 
-struct Seq {
-    stream: SeqStream,
-    prompt: Vec<u32>,
-    params: SamplingParams,
-    kv: SeqKv,
-    /// Prompt tokens already in the KV (local prefill progress).
-    prefilled: usize,
-    /// The last sampled token, to feed to the next step; `None` until prefilled.
-    last: Option<u32>,
-    history: TokenCounts,
-}
-
 pub(crate) struct Scheduler {
     model: Arc<Model>,
+    pool: KvPool,
     eos: u32,
     cfg: EngineConfig,
     metrics: Arc<DecodeMetrics>,
     stats: Arc<EngineStats>,
-    /// Sequences not yet in the batch: prefilling, or waiting for a slot.
+    /// Sequences not in the batch: prefilling, or waiting for a slot.
     waiting: VecDeque<Seq>,
     active: Vec<Seq>,
+    admissions: u64,
 }
 
 impl Scheduler {
     /// Starts the model thread on the jobs of `rx`.
     pub(crate) fn spawn(
         model: Arc<Model>,
+        pool: KvPool,
         eos: u32,
         cfg: EngineConfig,
-        metrics: Arc<DecodeMetrics>,
-        stats: Arc<EngineStats>,
+        (metrics, stats): (Arc<DecodeMetrics>, Arc<EngineStats>),
         rx: mpsc::Receiver<DecodeJob<RealKv>>,
     ) {
         let mut sched = Self {
             model,
+            pool,
             eos,
             cfg,
             metrics,
             stats,
             waiting: VecDeque::new(),
             active: Vec::new(),
+            admissions: 0,
         };
         std::thread::Builder::new()
             .name("pdserve-decode-engine".into())
@@ -106,14 +107,12 @@ impl Scheduler {
         let mut seq = Seq {
             params: SamplingParams::from(&job.sampling),
             stream: SeqStream::new(job.request_id, prompt_len, job.sampling, job.events),
-            prompt: job.prompt,
-            kv: job.kv.0,
-            prefilled: 0,
-            last: None,
+            tokens: job.prompt,
+            kv: job.kv.kv,
             history: TokenCounts::default(),
+            admitted: 0,
         };
         if let Some(first) = job.first {
-            seq.prefilled = seq.prompt.len();
             if let Outcome::Done = self.emit(&mut seq, first) {
                 return;
             }
@@ -121,7 +120,8 @@ impl Scheduler {
         self.waiting.push_back(seq);
     }
 
-    /// One scheduling round: a prefill chunk, admission, a decode step.
+    /// One scheduling round: a prefill chunk, admission, room for the next
+    /// token, a decode step.
     fn iteration(&mut self) {
         let (active, waiting) = (&mut self.active, &mut self.waiting);
         retire_closed(active, waiting, |s| &s.stream, &self.metrics);
@@ -129,11 +129,17 @@ impl Scheduler {
             self.prefill_chunk();
         }
         while self.active.len() < self.cfg.limits.max_batch {
-            match self.waiting.iter().position(|s| s.last.is_some()) {
-                Some(i) => self.active.extend(self.waiting.remove(i)),
+            match self.waiting.iter().position(|s| s.last().is_some()) {
+                Some(i) => {
+                    let mut s = self.waiting.remove(i).expect("index from position");
+                    self.admissions += 1;
+                    s.admitted = self.admissions;
+                    self.active.push(s);
+                }
                 None => break,
             }
         }
+        self.make_room();
         if !self.active.is_empty() {
             self.decode_step();
         }
@@ -141,18 +147,19 @@ impl Scheduler {
 
     /// Prefills the next chunk of the oldest sequence that needs it.
     fn prefill_chunk(&mut self) {
-        let Some(i) = self.waiting.iter().position(|s| s.last.is_none()) else {
+        let Some(i) = self.waiting.iter().position(|s| s.needs_prefill()) else {
             return;
         };
-        let chunk = self.cfg.limits.prefill_chunk_tokens.max(1);
         let started = Instant::now();
         let seq = &mut self.waiting[i];
-        let end = (seq.prefilled + chunk).min(seq.prompt.len());
-        let result = self
-            .model
-            .prefill(&seq.prompt[seq.prefilled..end], &mut seq.kv);
-        let done = end - seq.prefilled;
-        seq.prefilled = end;
+        let (from, target) = (seq.kv.len(), seq.context_len());
+        let end = (from + self.cfg.limits.prefill_chunk_tokens.max(1)).min(target);
+        if let Err(e) = seq.kv.reserve_to(end) {
+            // No room until running sequences finish: it waits.
+            tracing::debug!(request_id = %seq.stream.request_id, "prefill waits for KV: {e}");
+            return;
+        }
+        let result = self.model.prefill(&seq.tokens[from..end], &mut seq.kv);
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
@@ -162,8 +169,9 @@ impl Scheduler {
             }
         };
         self.metrics
-            .prefill_chunk(done, started.elapsed().as_secs_f64());
-        if end < self.waiting[i].prompt.len() {
+            .prefill_chunk(end - from, started.elapsed().as_secs_f64());
+        if end < target || self.waiting[i].generated() > 0 {
+            // More to prefill, or a recomputed sequence: it resumes with its last token.
             return;
         }
         let mut seq = self.waiting.remove(i).expect("index from position");
@@ -177,6 +185,55 @@ impl Scheduler {
         }
     }
 
+    /// Gives every active sequence room for one more token, preempting the
+    /// latest admitted sequences while the KV has too few blocks.
+    fn make_room(&mut self) {
+        let mut i = 0;
+        while i < self.active.len() {
+            let s = &mut self.active[i];
+            match s.kv.reserve_to(s.kv.len() + 1) {
+                Ok(()) => i += 1,
+                Err(KvError::Exhausted { .. }) => {
+                    let victim = self.latest_admitted();
+                    self.preempt(victim);
+                    // The victim may be this sequence, or one before it.
+                    i = i.min(self.active.len());
+                    if victim < i {
+                        i -= 1;
+                    }
+                }
+                Err(e) => {
+                    let s = self.active.remove(i);
+                    s.stream.fail(ErrorBody::from(&e), &self.metrics);
+                }
+            }
+        }
+    }
+
+    fn latest_admitted(&self) -> usize {
+        (0..self.active.len())
+            .max_by_key(|&i| self.active[i].admitted)
+            .unwrap_or(0)
+    }
+
+    /// Takes an active sequence out of the batch and frees its KV; it goes
+    /// back to the front of the queue to be recomputed.
+    fn preempt(&mut self, i: usize) {
+        let mut s = self.active.remove(i);
+        tracing::info!(request_id = %s.stream.request_id, tokens = s.tokens.len(), "preempted: KV full");
+        self.metrics.preemptions.inc();
+        s.kv = self.recompute_kv(&s);
+        self.waiting.push_front(s);
+    }
+
+    /// A fresh KV for a preempted sequence, with what the prefix cache still
+    /// holds of it.
+    fn recompute_kv(&self, s: &Seq) -> SeqKv {
+        let mut kv = self.pool.sequence();
+        kv.attach_prefix(&s.tokens[..s.context_len()]);
+        kv
+    }
+
     fn decode_step(&mut self) {
         let started = Instant::now();
         let kv_tokens: usize = self.active.iter().map(|s| s.kv.len() + 1).sum();
@@ -184,10 +241,8 @@ impl Scheduler {
             .active
             .iter_mut()
             .map(|s| {
-                (
-                    &mut s.kv,
-                    s.last.expect("active sequences have a last token"),
-                )
+                let last = *s.tokens.last().expect("active sequences have a last token");
+                (&mut s.kv, last)
             })
             .collect();
         let result = self.model.decode_step(&mut batch);
@@ -197,8 +252,7 @@ impl Scheduler {
             Err(e) => {
                 tracing::error!("decode step failed: {e}");
                 for s in std::mem::take(&mut self.active) {
-                    s.stream
-                        .fail(e.to_wire(ErrorClass::Retryable), &self.metrics);
+                    s.stream.fail(e.to_wire(ErrorClass::Retryable), &self.metrics);
                 }
                 return;
             }
@@ -215,7 +269,10 @@ impl Scheduler {
             }
         }
         self.active = keep;
-        let secs = started.elapsed().as_secs_f64();
+        self.record_step(n, kv_tokens, started.elapsed().as_secs_f64());
+    }
+
+    fn record_step(&self, n: usize, kv_tokens: usize, secs: f64) {
         self.metrics.step(n, secs);
         let bytes =
             self.model.weight_bytes() + kv_tokens * self.model.kv_layout().bytes_per_token();
@@ -237,17 +294,13 @@ impl Scheduler {
         seq.history.add(token);
         let outcome = seq.stream.emit(s, Some(self.eos), &self.metrics);
         if outcome == Outcome::Continue {
-            seq.last = Some(token);
+            seq.tokens.push(token);
         }
         outcome
     }
 
     fn publish(&self) {
-        let waiting_tokens: usize = self
-            .waiting
-            .iter()
-            .map(|s| s.prompt.len() - s.prefilled)
-            .sum();
+        let waiting_tokens: usize = self.waiting.iter().map(Seq::pending_tokens).sum();
         self.metrics.publish(
             &self.stats,
             self.active.len(),

@@ -7,10 +7,11 @@
 pub mod backend;
 pub mod config;
 pub mod engine;
+mod seq;
 
 use std::sync::Arc;
 
-use pdserve_engine::Model;
+use pdserve_engine::{KvConfig, KvPool, Model};
 use pdserve_worker::decode::{DecodeMetrics, DecodeServer};
 
 pub use backend::RealDecode;
@@ -26,10 +27,25 @@ pub fn build(
     public_url: String,
 ) -> Arc<DecodeServer<RealDecode>> {
     let metrics = Arc::new(DecodeMetrics::new());
+    let limits = &args.decode;
+    let bytes_per_token = model.kv_layout().bytes_per_token().max(1) as u64;
+    let budget_tokens = match limits.kv_cache_bytes {
+        Some(bytes) => (bytes / bytes_per_token) as usize,
+        None => limits.kv_cache_tokens,
+    };
+    let pool = KvPool::with_config(
+        model.kv_layout(),
+        KvConfig {
+            budget_tokens,
+            block_tokens: limits.kv.kv_block_tokens,
+            prefix_cache: limits.kv.prefix_cache.is_on(),
+            fingerprint: model.fingerprint(),
+        },
+    );
     let cfg = EngineConfig {
-        limits: args.decode.clone(),
+        limits: limits.clone(),
         peak_bytes_per_second: args.peak_memory_bandwidth_gbps * 1e9,
     };
-    let backend = RealDecode::spawn(model, eos, cfg, metrics.clone());
+    let backend = RealDecode::spawn(model, pool, eos, cfg, metrics.clone());
     DecodeServer::new(backend, metrics, public_url)
 }

@@ -237,6 +237,7 @@ async fn a_request_past_its_deadline_is_504() {
         let line = serde_json::to_string(&GenerateEvent::Reserved {
             kv_url: None,
             report_seq: 0,
+            cached_tokens: 0,
         }).unwrap() + "\n";
         let s = futures_util::stream::once(async move { Ok::<_, std::io::Error>(line) })
             .chain(futures_util::stream::pending());

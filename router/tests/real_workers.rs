@@ -59,3 +59,27 @@ async fn aggregated_and_disaggregated_give_the_same_tokens() {
     assert!(kv_transfers(&metrics(&dis).await) >= 6.0);
     assert_eq!(kv_transfers(&metrics(&agg).await), 0.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_prompt_reports_its_cached_tokens_and_the_same_text() {
+    if !workers_built() {
+        return;
+    }
+    let model = TinyModel::new();
+    let exe = workspace_binary("pdserve-decode").unwrap();
+    let decode = WorkerProcess::worker(exe.to_str().unwrap(), &model.path, 5).await;
+    let (url, _) = router(model.arg(), &[], &[decode.url.clone()], &["--mode", "aggregated"]).await;
+    let prompt = "the same long system prompt ".repeat(12);
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let body = completion_body(&prompt, json!({"max_tokens": 8, "ignore_eos": true}));
+        let (s, v) = post_json(&url, "/v1/completions", &body).await;
+        assert_eq!(s, 200, "{v}");
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
+        seen.push((cached, v["choices"][0]["text"].clone(), prompt_tokens));
+    }
+    assert_eq!(seen[0].0, 0, "the first time, nothing is cached");
+    assert!(seen[1].0 >= 16 && seen[1].0 < seen[1].2, "{seen:?}");
+    assert_eq!(seen[0].1, seen[1].1, "a hit gives the text of a miss");
+}

@@ -79,18 +79,26 @@ pub async fn post(url: &str, req: &GenerateRequest) -> reqwest::Response {
 
 /// Greedy generation straight on the engine, as the reference.
 pub fn reference(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
-    let pool = KvPool::new(model.kv_layout(), 4096);
-    let mut kv = pool.allocate(prompt.len() + n).unwrap();
-    let greedy = SamplingParams {
+    let greedy = SamplingSpec {
         temperature: 0.0,
         ..Default::default()
     };
+    reference_with(model, prompt, &greedy, n)
+}
+
+/// Generation with `spec` straight on the engine, as the reference.
+pub fn reference_with(model: &Model, prompt: &[u32], spec: &SamplingSpec, n: usize) -> Vec<u32> {
+    let pool = KvPool::new(model.kv_layout(), 4096);
+    let mut kv = pool.allocate(prompt.len() + n).unwrap();
+    let params = SamplingParams::from(spec);
+    let mut history = TokenCounts::default();
     let mut logits = model.prefill(prompt, &mut kv).unwrap();
     let mut out = Vec::new();
     while out.len() < n {
-        let t = sample(&logits, &greedy, kv.len() as u64, &TokenCounts::default())
+        let t = sample(&logits, &params, kv.len() as u64, &history)
             .unwrap()
             .token;
+        history.add(t);
         out.push(t);
         logits = model
             .decode_step(&mut [(&mut kv, t)])

@@ -109,6 +109,10 @@ impl KvImport for Reservation {
     }
 
     fn reset(&mut self) {}
+
+    fn cached(&self) -> usize {
+        0
+    }
 }
 
 impl Drop for Reservation {

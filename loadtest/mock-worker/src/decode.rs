@@ -15,6 +15,7 @@ use pdserve_text::{ModelConfig, Sampled};
 use pdserve_worker::decode::{
     DecodeArgs, DecodeBackend, DecodeJob, DecodeMetrics, Outcome, SeqStream, retire_closed,
 };
+use pdserve_worker::kv::KvReport;
 use pdserve_worker::queue::{EngineQueue, EngineStats};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -79,8 +80,11 @@ impl DecodeBackend for MockDecode {
         self.shape.kv
     }
 
-    fn reserve(&self, tokens: usize) -> Result<Reservation, ErrorBody> {
-        Ok(self.budget.reserve(tokens as u64)?)
+    /// The whole of prompt + `max_tokens` up front: the mock has no blocks
+    /// to grow, nor a prefix cache.
+    fn reserve(&self, prompt: &[u32], max_tokens: u32, _reuse: bool) -> Result<Reservation, ErrorBody> {
+        let tokens = prompt.len() as u64 + u64::from(max_tokens);
+        Ok(self.budget.reserve(tokens)?)
     }
 
     fn submit(&self, job: Job) -> Result<(), ErrorBody> {
@@ -92,8 +96,12 @@ impl DecodeBackend for MockDecode {
         self.queue.stats()
     }
 
-    fn kv_usage(&self) -> (u64, u64) {
-        (self.budget.used(), self.budget.capacity())
+    fn kv_usage(&self) -> KvReport {
+        KvReport {
+            used_tokens: self.budget.used(),
+            capacity_tokens: self.budget.capacity(),
+            ..Default::default()
+        }
     }
 }
 

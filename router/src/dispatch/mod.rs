@@ -58,12 +58,18 @@ pub enum SeqEvent {
 /// A running sequence. Dropping it cancels the decode stream and the prefill job.
 pub struct Sequence {
     rx: mpsc::Receiver<Result<SeqEvent, ApiError>>,
+    cached_tokens: u32,
     _pump: AbortOnDrop,
 }
 
 impl Sequence {
     pub async fn next(&mut self) -> Option<Result<SeqEvent, ApiError>> {
         self.rx.recv().await
+    }
+
+    /// Leading prompt tokens the decode worker had cached.
+    pub fn cached_tokens(&self) -> u32 {
+        self.cached_tokens
     }
 }
 
@@ -90,6 +96,7 @@ struct Decode {
     reader: LineReader,
     kv_url: Option<String>,
     fingerprint: Option<u64>,
+    cached_tokens: u32,
     /// Counts the sequence on the worker until its report does.
     _assigned: Assignment,
 }
@@ -150,9 +157,11 @@ impl Dispatcher {
             }
             (_, true) => None,
         };
+        let cached_tokens = decode.cached_tokens;
         let pump = tokio::spawn(Pump::new(self.clone(), decode, prefill, tx, deadline).run());
         Ok(Sequence {
             rx,
+            cached_tokens,
             _pump: AbortOnDrop(pump),
         })
     }
@@ -213,13 +222,18 @@ impl Dispatcher {
         let first = first
             .map_err(|_| self.upstream(Pool::Decode, format!("{} sent no reservation", w.url)))?;
         match first {
-            Ok(Some(GenerateEvent::Reserved { kv_url, report_seq })) => {
+            Ok(Some(GenerateEvent::Reserved {
+                kv_url,
+                report_seq,
+                cached_tokens,
+            })) => {
                 assigned.acknowledged(report_seq);
                 Ok(Decode {
                     url: w.url.clone(),
                     reader,
                     kv_url,
                     fingerprint: w.fingerprint,
+                    cached_tokens,
                     _assigned: assigned,
                 })
             }

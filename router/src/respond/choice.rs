@@ -85,6 +85,11 @@ impl Choice {
         }
     }
 
+    /// Leading prompt tokens its decode worker had cached (0 once finished).
+    pub fn cached_tokens(&self) -> u32 {
+        self.seq.as_ref().map_or(0, Sequence::cached_tokens)
+    }
+
     /// The next update; `None` after the finish (or an error).
     pub async fn next(&mut self) -> Option<Result<Update, ApiError>> {
         let event = self.seq.as_mut()?.next().await;

@@ -78,8 +78,16 @@ fn prompt_usage(prepared: &Prepared) -> u32 {
     prepared.prompts.iter().map(|p| p.tokens.len() as u32).sum()
 }
 
+/// Prompt tokens served from a prefix cache: the first choice of each
+/// prompt (the prompt counts once, as in `prompt_tokens`).
+fn cached_usage(prepared: &Prepared, choices: &[Choice]) -> u32 {
+    let n = prepared.params.n as usize;
+    choices.iter().step_by(n.max(1)).map(Choice::cached_tokens).sum()
+}
+
 /// Collects every choice, then answers with one JSON object.
 async fn complete(mut ctx: Ctx, prepared: &Prepared, choices: Vec<Choice>) -> Response {
+    let cached = cached_usage(prepared, &choices);
     let ttft = std::sync::Once::new();
     let request = &ctx.request;
     let runs = choices.into_iter().map(|mut c| {
@@ -120,7 +128,7 @@ async fn complete(mut ctx: Ctx, prepared: &Prepared, choices: Vec<Choice>) -> Re
         }
     }
     let completion: u32 = results.iter().map(|r| r.completion_tokens).sum();
-    let usage = Usage::new(prompt_usage(prepared), completion);
+    let usage = Usage::new(prompt_usage(prepared), completion).with_cached(cached);
     ctx.request.count_tokens(usage);
     ctx.request.succeed();
     let body = ctx.header.complete(&ctx.tokenizer, results, usage);

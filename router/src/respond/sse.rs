@@ -15,7 +15,7 @@ use serde_json::Value;
 
 use super::choice::{Choice, Update};
 use super::render::Format;
-use super::{prompt_usage, Ctx};
+use super::{cached_usage, prompt_usage, Ctx};
 use crate::error::ApiError;
 use crate::frontend::Prepared;
 use crate::params::LogprobMode;
@@ -29,6 +29,7 @@ fn updates(c: Choice) -> Updates {
 /// Streams SSE chunks. Waits for the first update so that a failure before
 /// any token is still a plain HTTP error.
 pub(super) async fn stream(ctx: Ctx, prepared: &Prepared, choices: Vec<Choice>) -> Response {
+    let cached = cached_usage(prepared, &choices);
     let mut merged = select_all(choices.into_iter().map(updates));
     let first = match merged.next().await {
         Some(Ok(u)) => u,
@@ -43,7 +44,7 @@ pub(super) async fn stream(ctx: Ctx, prepared: &Prepared, choices: Vec<Choice>) 
         started: vec![false; echoes.len()],
         offsets: vec![0; echoes.len()],
         echoes,
-        usage: Usage::new(prompt_usage(prepared), 0),
+        usage: Usage::new(prompt_usage(prepared), 0).with_cached(cached),
         ttft: false,
         ctx,
     };
@@ -124,10 +125,11 @@ impl SseWriter {
                 reason,
                 completion_tokens,
             } => {
-                self.usage = Usage::new(
-                    self.usage.prompt_tokens,
-                    self.usage.completion_tokens + completion_tokens,
-                );
+                self.usage = Usage {
+                    completion_tokens: self.usage.completion_tokens + completion_tokens,
+                    total_tokens: self.usage.total_tokens + completion_tokens,
+                    ..self.usage
+                };
                 (index, text, vec![], Some(reason))
             }
         };

@@ -101,6 +101,10 @@ pub enum GenerateEvent {
         kv_url: Option<String>,
         #[serde(default)]
         report_seq: u64,
+        /// Leading prompt tokens the worker already holds (its prefix
+        /// cache): they are not computed again.
+        #[serde(default)]
+        cached_tokens: u32,
     },
     /// A generated token.
     Token {
@@ -266,7 +270,14 @@ mod tests {
         assert_eq!(serde_json::from_str::<PrefillEvent>(&json).unwrap(), done);
         // A reservation from an older worker, without report_seq, still reads.
         let old: GenerateEvent = serde_json::from_str(r#"{"event":"reserved","kv_url":null}"#).unwrap();
-        assert_eq!(old, GenerateEvent::Reserved { kv_url: None, report_seq: 0 });
+        assert_eq!(
+            old,
+            GenerateEvent::Reserved {
+                kv_url: None,
+                report_seq: 0,
+                cached_tokens: 0
+            }
+        );
     }
 
     #[test]

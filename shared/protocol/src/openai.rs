@@ -122,6 +122,16 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    /// How much of the prompt was served from the prefix cache.
+    #[serde(default)]
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens found in a worker's prefix cache, not computed again.
+    pub cached_tokens: u32,
 }
 
 impl Usage {
@@ -130,6 +140,17 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            prompt_tokens_details: PromptTokensDetails::default(),
+        }
+    }
+
+    /// The same counts, with `cached` of the prompt tokens found cached.
+    pub fn with_cached(self, cached: u32) -> Self {
+        Self {
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: cached,
+            },
+            ..self
         }
     }
 }

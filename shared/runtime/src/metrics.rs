@@ -20,6 +20,12 @@ pub const KV_TRANSFER_BYTES_TOTAL: &str = "pdserve_kv_transfer_bytes_total";
 pub const KV_TRANSFER_SECONDS: &str = "pdserve_kv_transfer_seconds";
 pub const KV_TRANSFER_TAIL_SECONDS: &str = "pdserve_kv_transfer_tail_seconds";
 pub const REQUESTS_TOTAL: &str = "pdserve_requests_total";
+// The paged KV cache and its prefix cache (workers).
+pub const KV_CACHE_BLOCKS: &str = "pdserve_kv_cache_blocks";
+pub const KV_CACHE_EVICTIONS_TOTAL: &str = "pdserve_kv_cache_evictions_total";
+pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "pdserve_prefix_cache_queries_total";
+pub const PREFIX_CACHE_HITS_TOTAL: &str = "pdserve_prefix_cache_hits_total";
+pub const PREEMPTIONS_TOTAL: &str = "pdserve_preemptions_total";
 pub const MODEL_FLOPS_UTILIZATION: &str = "pdserve_model_flops_utilization_ratio";
 pub const MODEL_BANDWIDTH_UTILIZATION: &str = "pdserve_model_bandwidth_utilization_ratio";
 // The router's user-facing and dispatch metrics.
@@ -45,6 +51,10 @@ pub mod labels {
     pub const STATUS_OK: &str = "ok";
     pub const STATUS_ERROR: &str = "error";
     pub const STATUS_CANCELLED: &str = "cancelled";
+    /// KV block states.
+    pub const KV_BLOCKS_USED: &str = "used";
+    pub const KV_BLOCKS_CACHED: &str = "cached";
+    pub const KV_BLOCKS_FREE: &str = "free";
     pub const ENDPOINT_CHAT: &str = "chat";
     pub const ENDPOINT_COMPLETIONS: &str = "completions";
     /// Request stages timed by the router.

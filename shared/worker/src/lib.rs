@@ -9,6 +9,7 @@
 
 pub mod decode;
 pub mod http;
+pub mod kv;
 pub mod prefill;
 pub mod queue;
 mod readiness;

@@ -12,7 +12,7 @@ use pdserve_protocol::internal::{ErrorBody, ErrorKind, GenerateEvent, GenerateRe
 use tokio::sync::mpsc;
 
 use super::lease::Pending;
-use super::{DecodeBackend, DecodeJob, DecodeServer};
+use super::{DecodeBackend, DecodeJob, DecodeServer, KvImport};
 use crate::http::{json_body, ndjson, ApiError};
 
 pub(super) async fn generate<B: DecodeBackend>(
@@ -22,61 +22,86 @@ pub(super) async fn generate<B: DecodeBackend>(
     let req = json_body(body)?;
     server.readiness.admit()?;
     crate::validate::generate(server.backend.config(), &req)?;
-    let capacity = req.prompt_tokens.len() + req.sampling.max_tokens as usize;
-    let kv = server.backend.reserve(capacity)?;
+    let reuse = matches!(req.kv_source, KvSource::Local);
+    let kv = server
+        .backend
+        .reserve(&req.prompt_tokens, req.sampling.max_tokens, reuse)?;
     let (tx, rx) = mpsc::unbounded_channel();
-    let mut waiting = None;
-    match req.kv_source {
+    let waiting = match req.kv_source {
         KvSource::Local => {
-            // Counted from here (the reservation is in the KV usage); the
-            // event goes first, before the engine can stream a token.
-            let report_seq = server.backend.stats().acknowledge();
-            let _ = tx.send(GenerateEvent::Reserved {
-                kv_url: None,
-                report_seq,
-            });
-            server.backend.submit(DecodeJob {
-                request_id: req.request_id,
-                prompt: req.prompt_tokens,
-                sampling: req.sampling,
-                kv,
-                first: None,
-                events: tx,
-            })?;
+            start_local(&server, req, kv, tx)?;
+            None
         }
-        KvSource::Remote { lease_ms } => {
-            let id = req.request_id.clone();
-            let url = format!("{}/v1/internal/kv/{id}", server.public_url);
-            let mut map = server.pending();
-            if map.contains_key(&id) {
-                return Err(ApiError(ErrorBody::fatal(
-                    ErrorKind::DuplicateRequestId,
-                    "this request id is already waiting for KV",
-                )));
-            }
-            // Counted from here: the reservation is in the KV usage.
-            let report_seq = server.backend.stats().acknowledge();
-            let _ = tx.send(GenerateEvent::Reserved {
-                kv_url: Some(url),
-                report_seq,
-            });
-            let lease = server.start_lease(&id, Duration::from_millis(lease_ms));
-            let pending = Pending {
-                prompt: req.prompt_tokens,
-                sampling: req.sampling,
-                kv,
-                events: tx,
-                lease,
-            };
-            map.insert(id.clone(), pending);
-            drop(map);
-            waiting = Some((server.clone(), id));
-        }
-    }
+        KvSource::Remote { lease_ms } => Some(wait_for_kv(&server, req, kv, tx, lease_ms)?),
+    };
     Ok(stream_events(Events {
         rx: Some(rx),
         waiting,
     }))
+}
+
+/// The `reserved` line: counted in every report after this one.
+fn reserved<B: DecodeBackend>(
+    server: &DecodeServer<B>,
+    kv_url: Option<String>,
+    kv: &B::Kv,
+) -> GenerateEvent {
+    GenerateEvent::Reserved {
+        kv_url,
+        report_seq: server.backend.stats().acknowledge(),
+        cached_tokens: kv.cached() as u32,
+    }
+}
+
+/// Queues a sequence whose prompt is prefilled here.
+fn start_local<B: DecodeBackend>(
+    server: &DecodeServer<B>,
+    req: GenerateRequest,
+    kv: B::Kv,
+    tx: mpsc::UnboundedSender<GenerateEvent>,
+) -> Result<(), ApiError> {
+    // The event goes first, before the engine can stream a token.
+    let _ = tx.send(reserved(server, None, &kv));
+    server.backend.submit(DecodeJob {
+        request_id: req.request_id,
+        prompt: req.prompt_tokens,
+        sampling: req.sampling,
+        kv,
+        first: None,
+        events: tx,
+    })?;
+    Ok(())
+}
+
+/// Parks a reservation, under a lease, until a prefill worker streams its KV.
+fn wait_for_kv<B: DecodeBackend>(
+    server: &Arc<DecodeServer<B>>,
+    req: GenerateRequest,
+    kv: B::Kv,
+    tx: mpsc::UnboundedSender<GenerateEvent>,
+    lease_ms: u64,
+) -> Result<(Arc<DecodeServer<B>>, String), ApiError> {
+    let id = req.request_id;
+    let mut map = server.pending();
+    if map.contains_key(&id) {
+        let msg = "this request id is already waiting for KV";
+        return Err(ApiError(ErrorBody::fatal(
+            ErrorKind::DuplicateRequestId,
+            msg,
+        )));
+    }
+    let url = format!("{}/v1/internal/kv/{id}", server.public_url);
+    let _ = tx.send(reserved(server, Some(url), &kv));
+    let lease = server.start_lease(&id, Duration::from_millis(lease_ms));
+    let pending = Pending {
+        prompt: req.prompt_tokens,
+        sampling: req.sampling,
+        kv,
+        events: tx,
+        lease,
+    };
+    map.insert(id.clone(), pending);
+    Ok((server.clone(), id))
 }
 
 /// The receiving end of a generate stream. Dropping it (the client went

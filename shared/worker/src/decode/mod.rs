@@ -30,6 +30,7 @@ use tokio::sync::mpsc;
 pub use metrics::DecodeMetrics;
 pub use sequence::{retire_closed, Outcome, SeqStream};
 
+use crate::kv::{KvArgs, KvReport};
 use crate::queue::EngineStats;
 use crate::readiness::Readiness;
 use crate::server::{common_routes, Served, Service};
@@ -45,10 +46,16 @@ pub struct DecodeArgs {
     /// Sequences per decode step at most.
     #[arg(long, env = "PDSERVE_MAX_BATCH", default_value_t = 32)]
     pub max_batch: usize,
-    /// KV cache budget in tokens; a sequence reserves its prompt and
-    /// `max_tokens` (46 KB a token for the default model).
+    /// KV cache budget in tokens (46 KB a token for the default model). A
+    /// sequence takes blocks for its prompt when admitted, and a block at a
+    /// time as it generates.
     #[arg(long, env = "PDSERVE_KV_CACHE_TOKENS", default_value_t = 65_536)]
     pub kv_cache_tokens: usize,
+    /// KV cache budget in bytes, instead of --kv-cache-tokens.
+    #[arg(long, env = "PDSERVE_KV_CACHE_BYTES")]
+    pub kv_cache_bytes: Option<u64>,
+    #[command(flatten)]
+    pub kv: KvArgs,
     /// Prompt tokens per prefill chunk.
     #[arg(long, env = "PDSERVE_PREFILL_CHUNK_TOKENS", default_value_t = 512)]
     pub prefill_chunk_tokens: usize,
@@ -66,15 +73,17 @@ pub trait DecodeBackend: Send + Sync + 'static {
     fn config(&self) -> &ModelConfig;
     /// What an incoming KV stream must match.
     fn kv_shape(&self) -> KvShape;
-    /// Reserves KV for `tokens` (prompt and generation); a full budget is
-    /// retryable, more than the whole budget fatal.
-    fn reserve(&self, tokens: usize) -> Result<Self::Kv, ErrorBody>;
+    /// Reserves KV for `prompt`, which will generate up to `max_tokens`:
+    /// at least the prompt's blocks now. Too little free KV now is retryable,
+    /// more than the whole budget fatal. With `reuse`, the reservation takes
+    /// what the prefix cache holds of the prompt ([`KvImport::cached`]).
+    fn reserve(&self, prompt: &[u32], max_tokens: u32, reuse: bool) -> Result<Self::Kv, ErrorBody>;
     /// Queues a sequence without waiting; a full queue is retryable.
     fn submit(&self, job: DecodeJob<Self::Kv>) -> Result<(), ErrorBody>;
     /// The engine's load: queued and running sequences, recent throughput.
     fn stats(&self) -> &EngineStats;
-    /// KV tokens reserved now, and the budget.
-    fn kv_usage(&self) -> (u64, u64);
+    /// The KV cache's state.
+    fn kv_usage(&self) -> KvReport;
 }
 
 /// Rows of one layer's K and V, as a KV frame carries them.
@@ -98,6 +107,8 @@ pub trait KvImport: Send + 'static {
     fn finish(&mut self, tokens: &[u32]) -> Result<(), ErrorBody>;
     /// Forgets a partial import (the upload failed; another may follow).
     fn reset(&mut self);
+    /// Leading prompt tokens already present (taken from the prefix cache).
+    fn cached(&self) -> usize;
 }
 
 /// A sequence handed to a backend.
@@ -171,10 +182,10 @@ impl<B: DecodeBackend> Served for DecodeServer<B> {
 
     /// The load report the router balances and scales on.
     fn load_report(&self) -> LoadReport {
-        let (used, capacity) = self.backend.kv_usage();
+        let kv = self.backend.kv_usage();
         LoadReport {
-            kv_used_tokens: used,
-            kv_free_tokens: capacity.saturating_sub(used),
+            kv_used_tokens: kv.used_tokens,
+            kv_free_tokens: kv.free_tokens(),
             ..self.backend.stats().report(self.readiness.is_ready())
         }
     }
@@ -189,8 +200,7 @@ impl<B: DecodeBackend> Served for DecodeServer<B> {
     }
 
     fn metrics_page(&self) -> axum::response::Response {
-        let (used, capacity) = self.backend.kv_usage();
-        self.metrics.kv_gauges(used, capacity);
+        self.metrics.kv(&self.backend.kv_usage());
         crate::http::metrics_page(&self.metrics.registry)
     }
 }
