@@ -7,6 +7,7 @@ use std::sync::Arc;
 use pdserve_engine::{KvDtype as EngineDtype, KvPool, Model, ModelConfig, SeqKv};
 use pdserve_protocol::internal::{ErrorBody, ErrorKind};
 use pdserve_protocol::kvwire::KvShape;
+use pdserve_protocol::prefix::PrefixDigest;
 use pdserve_worker::decode::{DecodeBackend, DecodeJob, DecodeMetrics, KvImport, KvRows};
 use pdserve_worker::kv::KvReport;
 use pdserve_worker::queue::{EngineQueue, EngineStats};
@@ -86,7 +87,7 @@ impl DecodeBackend for RealDecode {
         self.model.kv_shape()
     }
 
-    fn reserve(&self, prompt: &[u32], max_tokens: u32, reuse: bool) -> Result<RealKv, ErrorBody> {
+    fn reserve(&self, prompt: &[u32], max_tokens: u32) -> Result<RealKv, ErrorBody> {
         let budget = self.pool.usage().budget_tokens;
         let total = prompt.len() + max_tokens as usize;
         if total > budget {
@@ -96,10 +97,7 @@ impl DecodeBackend for RealDecode {
             ));
         }
         let mut kv = self.pool.sequence();
-        let cached = match reuse {
-            true => kv.attach_prefix(prompt),
-            false => 0,
-        };
+        let cached = kv.attach_prefix(prompt);
         kv.reserve_to(prompt.len())
             .map_err(|e| ErrorBody::from(&e))?;
         Ok(RealKv { kv, cached })
@@ -115,21 +113,10 @@ impl DecodeBackend for RealDecode {
     }
 
     fn kv_usage(&self) -> KvReport {
-        kv_report(&self.pool)
+        self.pool.report()
     }
-}
 
-/// The pool's state as the worker layer reports it.
-pub fn kv_report(pool: &KvPool) -> KvReport {
-    let (u, p) = (pool.usage(), pool.prefix_stats());
-    KvReport {
-        used_tokens: u.reserved_tokens as u64,
-        capacity_tokens: u.budget_tokens as u64,
-        blocks_used: u.blocks.used as u64,
-        blocks_cached: u.blocks.cached as u64,
-        blocks_free: u.blocks.free as u64,
-        prefix_queried_tokens: p.queried_tokens,
-        prefix_hit_tokens: p.hit_tokens,
-        evictions: p.evictions,
+    fn prefix_digest(&self) -> Option<PrefixDigest> {
+        self.pool.prefix_digest()
     }
 }

@@ -252,7 +252,8 @@ impl Scheduler {
             Err(e) => {
                 tracing::error!("decode step failed: {e}");
                 for s in std::mem::take(&mut self.active) {
-                    s.stream.fail(e.to_wire(ErrorClass::Retryable), &self.metrics);
+                    s.stream
+                        .fail(e.to_wire(ErrorClass::Retryable), &self.metrics);
                 }
                 return;
             }

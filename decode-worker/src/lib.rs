@@ -11,8 +11,9 @@ mod seq;
 
 use std::sync::Arc;
 
-use pdserve_engine::{KvConfig, KvPool, Model};
+use pdserve_engine::Model;
 use pdserve_worker::decode::{DecodeMetrics, DecodeServer};
+use pdserve_worker::kv::budget_tokens;
 
 pub use backend::RealDecode;
 pub use config::Args;
@@ -28,19 +29,15 @@ pub fn build(
 ) -> Arc<DecodeServer<RealDecode>> {
     let metrics = Arc::new(DecodeMetrics::new());
     let limits = &args.decode;
-    let bytes_per_token = model.kv_layout().bytes_per_token().max(1) as u64;
-    let budget_tokens = match limits.kv_cache_bytes {
-        Some(bytes) => (bytes / bytes_per_token) as usize,
-        None => limits.kv_cache_tokens,
-    };
-    let pool = KvPool::with_config(
-        model.kv_layout(),
-        KvConfig {
-            budget_tokens,
-            block_tokens: limits.kv.kv_block_tokens,
-            prefix_cache: limits.kv.prefix_cache.is_on(),
-            fingerprint: model.fingerprint(),
-        },
+    let budget_tokens = budget_tokens(
+        limits.kv_cache_tokens,
+        limits.kv_cache_bytes,
+        model.kv_layout().bytes_per_token(),
+    );
+    let pool = model.kv_pool(
+        budget_tokens,
+        limits.kv.kv_block_tokens,
+        limits.kv.prefix_cache.is_on(),
     );
     let cfg = EngineConfig {
         limits: limits.clone(),

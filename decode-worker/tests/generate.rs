@@ -4,10 +4,10 @@
 mod common;
 
 use common::*;
-use pdserve_worker::Served;
 use futures_util::StreamExt;
 use pdserve_engine::KvDtype;
 use pdserve_protocol::internal::{ErrorKind, FinishReason, GenerateEvent, KvSource};
+use pdserve_worker::Served;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_generation_streams_the_engine_tokens() {
@@ -220,14 +220,22 @@ async fn bad_requests_get_classified_errors() {
     // 100 tokens in blocks of 16: 112. A sequence that cannot fit even
     // alone is refused for good.
     let resp = post(&w.url, &request("e5", prompt(60, 0), 60, KvSource::Local)).await;
-    assert_eq!(resp.status(), 400, "120 tokens never fit a 112-token budget");
+    assert_eq!(
+        resp.status(),
+        400,
+        "120 tokens never fit a 112-token budget"
+    );
     let body: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(body["kind"], "kv_capacity_exceeded", "{body}");
     // One that fits alone but not now (a reservation waits for its KV) is
     // refused for now.
     let (_held, _) = reserve_remote(&w, "holder", &prompt(90, 1), 4, 60_000).await;
     let resp = post(&w.url, &request("e6", prompt(30, 0), 4, KvSource::Local)).await;
-    assert_eq!(resp.status(), 503, "30 prompt tokens do not fit in the 16 left");
+    assert_eq!(
+        resp.status(),
+        503,
+        "30 prompt tokens do not fit in the 16 left"
+    );
     assert_eq!(resp.headers()["retry-after"], "1");
     let body: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(

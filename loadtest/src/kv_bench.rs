@@ -147,6 +147,7 @@ fn header(layout: KvLayout, tokens: usize, dtype: KvDtype) -> KvHeader {
         n_kv_heads: layout.n_kv_heads as u32,
         head_dim: layout.head_dim as u32,
         n_tokens: tokens as u32,
+        start_token: 0,
         seed: 0,
     }
 }

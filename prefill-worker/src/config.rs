@@ -3,6 +3,7 @@
 use clap::Parser;
 use pdserve_engine::args::ModelArgs;
 use pdserve_protocol::kvwire::KvDtype;
+use pdserve_worker::kv::KvArgs;
 use pdserve_worker::ServerArgs;
 
 /// pdserve prefill worker.
@@ -28,6 +29,16 @@ pub struct Args {
     /// Jobs that may wait before new ones are refused.
     #[arg(long, env = "PDSERVE_MAX_QUEUE", default_value_t = 64)]
     pub max_queue: usize,
+    /// KV cache budget in tokens (46 KB a token for the default model): the
+    /// running batch's prompts, and the prefix cache in the rest. At least
+    /// the model's context length.
+    #[arg(long, env = "PDSERVE_KV_CACHE_TOKENS", default_value_t = 32_768)]
+    pub kv_cache_tokens: usize,
+    /// KV cache budget in bytes, instead of --kv-cache-tokens.
+    #[arg(long, env = "PDSERVE_KV_CACHE_BYTES")]
+    pub kv_cache_bytes: Option<u64>,
+    #[command(flatten)]
+    pub kv: KvArgs,
     /// KV element type on the wire: f32 (exact) or f16 (half the bytes).
     #[arg(long, env = "PDSERVE_KV_DTYPE", default_value = "f32")]
     pub kv_dtype: KvDtype,

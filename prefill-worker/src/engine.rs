@@ -9,7 +9,8 @@
 use std::sync::Arc;
 
 use pdserve_engine::{KvDtype, KvPool, Model, ModelConfig};
-use pdserve_protocol::internal::{ErrorBody, ErrorKind};
+use pdserve_protocol::internal::{ErrorBody, ErrorKind, KvReport};
+use pdserve_protocol::prefix::PrefixDigest;
 use pdserve_worker::prefill::{Computed, PrefillBackend, PrefillMetrics, PrefillTask as Task};
 use pdserve_worker::queue::{EngineQueue, EngineStats};
 use tokio::sync::mpsc;
@@ -34,19 +35,23 @@ pub struct EngineConfig {
 #[derive(Clone)]
 pub struct EngineHandle {
     model: Arc<Model>,
+    pool: KvPool,
     queue: EngineQueue<Task>,
 }
 
 impl EngineHandle {
     /// Starts the model thread. Call it inside a Tokio runtime: the thread
     /// uses the runtime's timer to bound its wait for a slow upload.
-    pub fn spawn(model: Arc<Model>, cfg: EngineConfig, metrics: Arc<PrefillMetrics>) -> Self {
+    pub fn spawn(
+        model: Arc<Model>,
+        pool: KvPool,
+        cfg: EngineConfig,
+        metrics: Arc<PrefillMetrics>,
+    ) -> Self {
         let (queue, rx) = EngineQueue::new(cfg.queue_capacity);
-        // Room for a full batch of prompts, or one whole prompt.
-        let kv_budget = model.config().context_length.max(cfg.batch_tokens);
         let worker = Worker {
             rt: tokio::runtime::Handle::current(),
-            pool: KvPool::new(model.kv_layout(), kv_budget),
+            pool: pool.clone(),
             model: model.clone(),
             cfg,
             metrics,
@@ -56,7 +61,7 @@ impl EngineHandle {
             .name("pdserve-prefill-engine".into())
             .spawn(move || worker.run(rx))
             .expect("spawn the engine thread");
-        Self { model, queue }
+        Self { model, pool, queue }
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -76,6 +81,14 @@ impl PrefillBackend for EngineHandle {
 
     fn stats(&self) -> &EngineStats {
         self.queue.stats()
+    }
+
+    fn kv_usage(&self) -> KvReport {
+        self.pool.report()
+    }
+
+    fn prefix_digest(&self) -> Option<PrefixDigest> {
+        self.pool.prefix_digest()
     }
 }
 

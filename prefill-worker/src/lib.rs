@@ -11,6 +11,7 @@ mod prefill;
 use std::sync::Arc;
 
 use pdserve_engine::Model;
+use pdserve_worker::kv::budget_tokens;
 use pdserve_worker::prefill::{PrefillMetrics, PrefillServer};
 
 pub use config::Args;
@@ -20,6 +21,19 @@ pub use engine::{EngineConfig, EngineHandle};
 /// starts ready.
 pub fn build(model: Arc<Model>, args: &Args) -> Arc<PrefillServer<EngineHandle>> {
     let metrics = Arc::new(PrefillMetrics::new());
+    // Room for a full batch of prompts or one whole prompt, at least.
+    let budget = budget_tokens(
+        args.kv_cache_tokens,
+        args.kv_cache_bytes,
+        model.kv_layout().bytes_per_token(),
+    )
+    .max(model.config().context_length)
+    .max(args.batch_tokens());
+    let pool = model.kv_pool(
+        budget,
+        args.kv.kv_block_tokens,
+        args.kv.prefix_cache.is_on(),
+    );
     let cfg = EngineConfig {
         chunk_tokens: args.prefill_chunk_tokens,
         batch_tokens: args.batch_tokens(),
@@ -28,5 +42,8 @@ pub fn build(model: Arc<Model>, args: &Args) -> Arc<PrefillServer<EngineHandle>>
         kv_dtype: args.kv_dtype.into(),
         peak_flops: args.peak_gflops * 1e9,
     };
-    PrefillServer::new(EngineHandle::spawn(model, cfg, metrics.clone()), metrics)
+    PrefillServer::new(
+        EngineHandle::spawn(model, pool, cfg, metrics.clone()),
+        metrics,
+    )
 }

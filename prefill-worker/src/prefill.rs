@@ -3,6 +3,13 @@
 //! prompt in chunks), each layer's rows framed to the member's own upload,
 //! and each member's first token and end frame. A member that is cancelled
 //! or whose upload fails drops out; the others go on.
+//!
+//! Only what is missing is computed and sent. A member takes the leading
+//! blocks of its prompt that this worker's prefix cache holds (`own`
+//! tokens) and computes the rest; the decode worker already holds the
+//! first `job.cached_tokens` (`from`), so the stream starts there: cached
+//! rows `from..own` are sent from the cache first, computed rows below
+//! `from` are not sent at all.
 
 use std::ops::{ControlFlow, Range};
 use std::time::Duration;
@@ -25,6 +32,8 @@ type Pass = Vec<(usize, Range<usize>)>;
 #[derive(Default)]
 struct Member {
     kv: Option<SeqKv>,
+    /// Leading prompt tokens taken from this worker's prefix cache.
+    own: usize,
     sent: u64,
     failed: Option<ErrorBody>,
     /// The logits after the member's last prompt token.
@@ -57,16 +66,18 @@ fn take_live(tasks: &[Task], members: &mut [Member], pass: &Pass) -> (Pass, Vec<
     (owners, kvs)
 }
 
-/// Splits the live members' prompts into forward passes: several members
-/// share one pass with their whole prompts; one member alone runs in chunks.
-fn plan(lens: &[(usize, usize)], chunk: usize) -> Vec<Pass> {
-    match lens {
+/// Splits the live members' uncached prompt tokens into forward passes:
+/// several members share one pass with all of theirs; one member alone
+/// runs in chunks.
+fn plan(todo: &Pass, chunk: usize) -> Vec<Pass> {
+    match todo.as_slice() {
         [] => Vec::new(),
-        [(i, len)] => (0..*len)
+        [(i, r)] => r
+            .clone()
             .step_by(chunk.max(1))
-            .map(|s| vec![(*i, s..(s + chunk.max(1)).min(*len))])
+            .map(|s| vec![(*i, s..(s + chunk.max(1)).min(r.end))])
             .collect(),
-        many => vec![many.iter().map(|&(i, len)| (i, 0..len)).collect()],
+        _ => vec![todo.clone()],
     }
 }
 
@@ -75,14 +86,14 @@ impl Worker {
     pub(crate) fn prefill(&self, tasks: &[Task]) -> Vec<Result<Computed, ErrorBody>> {
         let started = Instant::now();
         let mut members: Vec<Member> = tasks.iter().map(|t| self.open(t)).collect();
-        let lens: Vec<(usize, usize)> = (0..tasks.len())
+        let todo: Pass = (0..tasks.len())
             .filter(|&i| members[i].live())
-            .map(|i| (i, tasks[i].job.prompt_tokens.len()))
+            .map(|i| (i, members[i].own..tasks[i].job.prompt_tokens.len()))
             .collect();
-        if !lens.is_empty() {
-            self.metrics.batch_size.observe(lens.len() as f64);
+        if !todo.is_empty() {
+            self.metrics.batch_size.observe(todo.len() as f64);
         }
-        for pass in plan(&lens, self.cfg.chunk_tokens) {
+        for pass in plan(&todo, self.cfg.chunk_tokens) {
             self.pass(tasks, &mut members, &pass);
         }
         let results: Vec<_> = tasks
@@ -90,33 +101,43 @@ impl Worker {
             .zip(&mut members)
             .map(|(t, m)| self.finish(t, m, started))
             .collect();
-        let tokens: usize = lens.iter().map(|(_, n)| n).sum();
+        let tokens: usize = todo.iter().map(|(_, r)| r.len()).sum();
         self.record(tokens, started.elapsed().as_secs_f64());
         results
     }
 
-    /// Checks the job is still wanted, reserves its KV and sends its header.
+    /// Checks the job is still wanted, reserves its KV (taking what the
+    /// prefix cache holds), sends its header and the cached rows the decode
+    /// worker lacks.
     fn open(&self, task: &Task) -> Member {
         let mut m = Member::default();
-        let opened = match task.cancel.is_cancelled() {
-            true => Err(ErrorBody::fatal(
-                ErrorKind::Cancelled,
-                "the job was cancelled while queued",
-            )),
-            false => self.header(&task.job).and_then(|h| {
-                let kv = self
-                    .pool
-                    .allocate(task.job.prompt_tokens.len())
-                    .map_err(|e| ErrorBody::from(&e))?;
-                let frame = kvwire::encode_header(&h).map_err(ErrorBody::from)?;
-                Ok((kv, self.send(task, frame.into())?))
-            }),
-        };
-        match opened {
-            Ok((kv, n)) => (m.kv, m.sent) = (Some(kv), n),
+        match self.try_open(task) {
+            Ok((kv, sent)) => (m.own, m.kv, m.sent) = (kv.len(), Some(kv), sent),
             Err(e) => m.failed = Some(e),
         }
         m
+    }
+
+    fn try_open(&self, task: &Task) -> Result<(SeqKv, u64), ErrorBody> {
+        if task.cancel.is_cancelled() {
+            let msg = "the job was cancelled while queued";
+            return Err(ErrorBody::fatal(ErrorKind::Cancelled, msg));
+        }
+        let prompt = &task.job.prompt_tokens;
+        let mut kv = self.pool.sequence();
+        let own = kv.attach_prefix(prompt);
+        kv.reserve_to(prompt.len())
+            .map_err(|e| ErrorBody::from(&e))?;
+        let header = self.header(&task.job);
+        let frame = kvwire::encode_header(&header).map_err(ErrorBody::from)?;
+        let mut sent = self.send(task, frame.into())?;
+        let from = header.start_token as usize;
+        if own > from {
+            for layer in 0..self.model.config().n_layers {
+                sent += self.send(task, self.frame(&kv, layer, from, own - from)?)?;
+            }
+        }
+        Ok((kv, sent))
     }
 
     /// One forward pass over the live members of `pass`, streaming each
@@ -169,7 +190,8 @@ impl Worker {
         }
     }
 
-    /// Frames and sends the rows `range` of `layer`, unless the job was cancelled.
+    /// Frames and sends the rows `range` of `layer` that the decode worker
+    /// lacks, unless the job was cancelled.
     fn stream_layer(
         &self,
         task: &Task,
@@ -180,7 +202,11 @@ impl Worker {
         if task.cancel.is_cancelled() {
             return Err(cancelled());
         }
-        let frame = self.frame(kv, layer, range.start, range.len())?;
+        let start = range.start.max(task.job.cached_tokens as usize);
+        if start >= range.end {
+            return Ok(0);
+        }
+        let frame = self.frame(kv, layer, start, range.end - start)?;
         self.send(task, frame)
     }
 
@@ -211,7 +237,7 @@ impl Worker {
                 .into(),
         )?;
         let secs = started.elapsed().as_secs_f64();
-        self.metrics.prompt_done(n, secs);
+        self.metrics.prompt_done(n - m.own, secs);
         Ok(Computed {
             finished_at: Instant::now(),
             first_token: first.token,
@@ -233,13 +259,13 @@ impl Worker {
         self.stats.record_rate(tokens, secs);
     }
 
-    fn header(&self, job: &PrefillJob) -> Result<KvHeader, ErrorBody> {
-        let n = job.prompt_tokens.len() as u32;
+    /// The stream's header: it starts after the tokens the decode worker holds.
+    fn header(&self, job: &PrefillJob) -> KvHeader {
+        let tokens = (job.cached_tokens, job.prompt_tokens.len() as u32);
         let dtype = self.cfg.kv_dtype.into();
-        Ok(self
-            .model
+        self.model
             .kv_shape()
-            .header(&job.request_id, n, job.sampling.seed, dtype))
+            .header(&job.request_id, tokens, job.sampling.seed, dtype)
     }
 
     fn frame(
@@ -298,12 +324,18 @@ mod tests {
 
     #[test]
     fn several_members_share_one_pass_and_one_runs_in_chunks() {
-        assert_eq!(plan(&[], 4), Vec::<Pass>::new());
+        assert_eq!(plan(&vec![], 4), Vec::<Pass>::new());
         assert_eq!(
-            plan(&[(2, 10)], 4),
+            plan(&vec![(2, 0..10)], 4),
             vec![vec![(2, 0..4)], vec![(2, 4..8)], vec![(2, 8..10)]]
         );
-        assert_eq!(plan(&[(0, 3)], 4), vec![vec![(0, 0..3)]]);
-        assert_eq!(plan(&[(0, 3), (2, 5)], 4), vec![vec![(0, 0..3), (2, 0..5)]]);
+        assert_eq!(plan(&vec![(0, 0..3)], 4), vec![vec![(0, 0..3)]]);
+        // A cached prefix is not computed again.
+        assert_eq!(
+            plan(&vec![(1, 8..14)], 4),
+            vec![vec![(1, 8..12)], vec![(1, 12..14)]]
+        );
+        let many = vec![(0, 0..3), (2, 4..9)];
+        assert_eq!(plan(&many, 4), vec![many.clone()]);
     }
 }

@@ -23,7 +23,12 @@ fn start(batch_tokens: usize) -> Bench {
     let tiny = tiny(&TinyModelSpec::default());
     let cfg = engine_config(16, batch_tokens);
     let metrics = Arc::new(PrefillMetrics::new());
-    let engine = EngineHandle::spawn(tiny.model.clone(), cfg, metrics.clone());
+    let engine = EngineHandle::spawn(
+        tiny.model.clone(),
+        tiny.model.kv_pool(8192, 16, false),
+        cfg,
+        metrics.clone(),
+    );
     Bench {
         engine,
         metrics,

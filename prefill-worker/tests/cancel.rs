@@ -10,11 +10,11 @@ use clap::Parser;
 use common::*;
 use pdserve_prefill::EngineHandle;
 use pdserve_protocol::internal::ErrorKind;
-use pdserve_worker::Served;
 use pdserve_testkit::http::serve;
 use pdserve_testkit::ndjson::prefill_outcome;
 use pdserve_testkit::tiny::TinyModelSpec;
 use pdserve_worker::prefill::{PrefillBackend, PrefillMetrics};
+use pdserve_worker::Served;
 
 const LAYERS: usize = 6;
 
@@ -25,7 +25,12 @@ fn layered_engine() -> (Tiny, EngineHandle) {
         ..Default::default()
     });
     let cfg = engine_config(512, 512);
-    let engine = EngineHandle::spawn(t.model.clone(), cfg, Arc::new(PrefillMetrics::new()));
+    let engine = EngineHandle::spawn(
+        t.model.clone(),
+        t.model.kv_pool(8192, 16, false),
+        cfg,
+        Arc::new(PrefillMetrics::new()),
+    );
     (t, engine)
 }
 

@@ -9,10 +9,10 @@ use pdserve_protocol::internal::{
     ErrorBody, ErrorClass, ErrorKind, GenerateEvent, GenerateRequest, KvSource, PrefillJob,
     SamplingSpec,
 };
-use pdserve_worker::Served;
 use pdserve_testkit::http::{metrics, post, serve};
 use pdserve_testkit::ndjson::{prefill_outcome, token_ids, Lines};
 use pdserve_testkit::tiny::{TinyModel, TINY_EOS};
+use pdserve_worker::Served;
 
 struct Cluster {
     prefill: String,
@@ -21,6 +21,10 @@ struct Cluster {
 }
 
 async fn cluster(prefill_args: &[&str]) -> Cluster {
+    cluster_with(&[], prefill_args).await
+}
+
+async fn cluster_with(decode_args: &[&str], prefill_args: &[&str]) -> Cluster {
     let tiny = TinyModel::new();
     let opts = LoadOptions {
         weights: WeightFormat::Q8_0,
@@ -30,7 +34,9 @@ async fn cluster(prefill_args: &[&str]) -> Cluster {
     // The decode worker.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let decode = format!("http://{}", listener.local_addr().unwrap());
-    let dargs = pdserve_decode::Args::parse_from(["d", "--model", tiny.arg()]);
+    let mut argv = vec!["d", "--model", tiny.arg()];
+    argv.extend_from_slice(decode_args);
+    let dargs = pdserve_decode::Args::parse_from(argv);
     let app = pdserve_decode::build(model(), TINY_EOS, &dargs, decode.clone()).routes();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     // The prefill worker, with its own copy of the model.
@@ -77,54 +83,97 @@ async fn generate(c: &Cluster, id: &str, p: Vec<u32>, source: KvSource) -> reqwe
 
 /// Reads the `Reserved` line without consuming the rest of the stream.
 async fn reserved_url(resp: &mut reqwest::Response) -> (String, Vec<u8>) {
+    let (url, _, rest) = reserved(resp).await;
+    (url, rest)
+}
+
+/// The `Reserved` line's KV URL and cached tokens, and what followed it.
+async fn reserved(resp: &mut reqwest::Response) -> (String, u32, Vec<u8>) {
     let mut buf = Vec::new();
     while !buf.contains(&b'\n') {
         buf.extend_from_slice(&resp.chunk().await.unwrap().unwrap());
     }
     let i = buf.iter().position(|&b| b == b'\n').unwrap();
     let GenerateEvent::Reserved {
-        kv_url: Some(url), ..
+        kv_url: Some(url),
+        cached_tokens,
+        ..
     } = serde_json::from_slice(&buf[..i]).unwrap()
     else {
         panic!("no KV URL")
     };
-    (url, buf[i + 1..].to_vec())
+    (url, cached_tokens, buf[i + 1..].to_vec())
 }
 
 async fn prefill(c: &Cluster, id: &str, p: Vec<u32>, url: &str) -> reqwest::Response {
+    prefill_after(c, id, p, url, 0).await
+}
+
+/// A job for a decode worker that holds the first `cached_tokens` already.
+async fn prefill_after(
+    c: &Cluster,
+    id: &str,
+    p: Vec<u32>,
+    url: &str,
+    cached_tokens: u32,
+) -> reqwest::Response {
     let job = PrefillJob {
         request_id: id.into(),
         prompt_tokens: p,
         sampling: sampling(12),
         kv_destination: url.into(),
         deadline_ms: 10_000,
+        cached_tokens,
     };
     post(&c.prefill, "/v1/internal/prefill", &job).await
 }
+
+/// Token ids of the generate lines in `text`.
+fn ids_in(text: &str) -> Vec<u32> {
+    text.lines()
+        .filter_map(|l| match serde_json::from_str(l).unwrap() {
+            GenerateEvent::Token { id, .. } => Some(id),
+            _ => None,
+        })
+        .collect()
+}
+
+/// One request through both workers as the router runs it: reserve, then
+/// a prefill job that knows what the decode worker holds. Returns the
+/// tokens, the decode worker's cached tokens and the KV bytes sent.
+async fn through_both(c: &Cluster, id: &str, p: &[u32]) -> (Vec<u32>, u32, u64) {
+    let lease = KvSource::Remote { lease_ms: 10_000 };
+    let mut resp = generate(c, id, p.to_vec(), lease).await;
+    let (url, cached, rest) = reserved(&mut resp).await;
+    let done = prefill_after(c, id, p.to_vec(), &url, cached).await;
+    let result = prefill_outcome(done).await.expect("the KV was delivered");
+    let text = String::from_utf8(rest).unwrap() + &resp.text().await.unwrap();
+    (ids_in(&text), cached, result.transfer_bytes)
+}
+
+/// KV bytes of one token, every layer, K and V, f32 (the tiny model).
+const TOKEN_BYTES: u64 = 2 * 2 * 32 * 4;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_gives_exactly_the_aggregated_tokens() {
     // Chunks of 7 on the prefill side, one chunk on the decode side: the same KV either way.
     let c = cluster(&["--prefill-chunk-tokens", "7"]).await;
+    // Disaggregated first, while the decode worker's cache is cold.
     let p = prompt(30);
-    let (local, _) = run_stream(generate(&c, "agg", p.clone(), KvSource::Local).await).await;
     let mut resp = generate(&c, "dis", p.clone(), KvSource::Remote { lease_ms: 10_000 }).await;
     let (url, rest) = reserved_url(&mut resp).await;
     let done = prefill(&c, "dis", p.clone(), &url).await;
     let result = prefill_outcome(done).await.expect("the KV was delivered");
-    assert_eq!((result.prompt_tokens, result.first_token), (30, local[0]));
     assert!(
-        result.transfer_bytes > 30 * 2 * 2 * 32 * 4,
+        result.transfer_bytes > 30 * TOKEN_BYTES,
         "all layers' KV was sent"
     );
     let text = String::from_utf8(rest).unwrap() + &resp.text().await.unwrap();
-    let remote: Vec<u32> = text
-        .lines()
-        .filter_map(|l| match serde_json::from_str(l).unwrap() {
-            GenerateEvent::Token { id, .. } => Some(id),
-            _ => None,
-        })
-        .collect();
+    let remote = ids_in(&text);
+    // Aggregated on a fresh pair of workers: no cache hit either.
+    let fresh = cluster(&[]).await;
+    let (local, _) = run_stream(generate(&fresh, "agg", p.clone(), KvSource::Local).await).await;
+    assert_eq!((result.prompt_tokens, result.first_token), (30, local[0]));
     assert_eq!(
         remote, local,
         "sampled with the same seed, position by position"
@@ -134,6 +183,51 @@ async fn disaggregated_gives_exactly_the_aggregated_tokens() {
         metrics.contains("pdserve_prompt_tokens_total 30"),
         "{metrics}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_cache_hit_is_sent_only_the_missing_rows_and_gives_the_same_tokens() {
+    let c = cluster(&["--prefill-chunk-tokens", "7"]).await;
+    let p = prompt(40);
+    let (local, _) = run_stream(generate(&c, "agg", p.clone(), KvSource::Local).await).await;
+    let other = prompt(41)[1..].to_vec();
+    let (miss, cached, miss_bytes) = through_both(&c, "miss", &other).await;
+    assert_eq!(cached, 0, "nothing of this prompt was cached");
+    assert!(miss_bytes >= 40 * TOKEN_BYTES, "{miss_bytes}");
+    assert_eq!(miss.len(), 12);
+    // The local run left the prompt's two full blocks (32 tokens) cached on
+    // the decode worker: only tokens 32..40 travel.
+    let (hit, cached, hit_bytes) = through_both(&c, "hit", &p).await;
+    assert_eq!(cached, 32);
+    assert_eq!(hit, local, "a hit gives exactly the tokens of a miss");
+    assert!(hit_bytes >= 8 * TOKEN_BYTES, "{hit_bytes}");
+    assert!(
+        hit_bytes < 8 * TOKEN_BYTES + 1024,
+        "only the 8 missing rows, and framing: {hit_bytes} bytes"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prefill_cache_serves_a_decode_worker_that_holds_nothing() {
+    // The decode worker caches nothing; the prefill worker keeps its blocks.
+    let c = cluster_with(&["--prefix-cache", "off"], &["--prefill-chunk-tokens", "7"]).await;
+    let p = prompt(40);
+    let (local, _) = run_stream(generate(&c, "agg", p.clone(), KvSource::Local).await).await;
+    let (first, cached, first_bytes) = through_both(&c, "first", &p).await;
+    let (second, cached_again, second_bytes) = through_both(&c, "second", &p).await;
+    assert_eq!((cached, cached_again), (0, 0));
+    assert_eq!(first, local);
+    assert_eq!(
+        second, local,
+        "32 rows from the prefill worker's cache, 8 computed"
+    );
+    assert!(second_bytes >= 40 * TOKEN_BYTES && first_bytes >= 40 * TOKEN_BYTES);
+    let m = metrics(&c.prefill).await;
+    assert!(
+        m.contains("pdserve_prompt_tokens_total 48"),
+        "40 computed, then 8: {m}"
+    );
+    assert!(m.contains("pdserve_prefix_cache_hits_total 32"), "{m}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -180,7 +274,11 @@ async fn an_unreachable_decode_worker_is_a_retryable_error() {
     // Queued, then failed: an error line, retryable.
     assert_eq!(resp.status(), 200);
     let e = prefill_outcome(resp).await.unwrap_err();
-    assert_eq!((e.class, &e.kind), (ErrorClass::Retryable, &ErrorKind::KvUploadFailed), "{e:?}");
+    assert_eq!(
+        (e.class, &e.kind),
+        (ErrorClass::Retryable, &ErrorKind::KvUploadFailed),
+        "{e:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -205,6 +303,12 @@ async fn bad_jobs_are_fatal_errors() {
         let e: ErrorBody = resp.json().await.unwrap();
         assert_eq!(e.kind, kind);
     }
+    let resp = prefill_after(&c, "bad", prompt(8), "http://127.0.0.1:1/x", 8).await;
+    assert_eq!(
+        resp.status(),
+        400,
+        "a prompt's last token is always computed"
+    );
     let resp = reqwest::Client::new()
         .delete(format!("{}/v1/internal/prefill/nope", c.prefill))
         .send()

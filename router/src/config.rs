@@ -7,6 +7,8 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use pdserve_runtime::telemetry::TelemetryArgs;
 
+use crate::policy::prefix::PrefixTuning;
+
 /// Where prompts are prefilled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
@@ -22,6 +24,9 @@ pub enum Mode {
 /// How a pool's worker is chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum PolicyKind {
+    /// KV-aware: the prompt blocks the worker's prefix cache lacks plus its
+    /// load, with a fall-back to least-load when the pool is uneven.
+    Prefix,
     /// Prefill: fewest pending prompt tokens. Decode: most free KV.
     LeastLoad,
     RoundRobin,
@@ -81,10 +86,27 @@ pub struct Args {
     /// A worker not heard from (heartbeat or poll) for this long is removed.
     #[arg(long, env = "PDSERVE_WORKER_TIMEOUT_MS", default_value_t = 5000)]
     pub worker_timeout_ms: u64,
-    #[arg(long, env = "PDSERVE_PREFILL_POLICY", value_enum, default_value_t = PolicyKind::LeastLoad)]
+    /// How a prefill worker is chosen.
+    #[arg(long, env = "PDSERVE_PREFILL_POLICY", value_enum, default_value_t = PolicyKind::Prefix)]
     pub prefill_policy: PolicyKind,
-    #[arg(long, env = "PDSERVE_DECODE_POLICY", value_enum, default_value_t = PolicyKind::LeastLoad)]
+    /// How a decode worker is chosen.
+    #[arg(long, env = "PDSERVE_DECODE_POLICY", value_enum, default_value_t = PolicyKind::Prefix)]
     pub decode_policy: PolicyKind,
+    /// `prefix` policy: weight of a prompt block a worker would compute
+    /// against a block of work it already has.
+    #[arg(long, env = "PDSERVE_PREFIX_WEIGHT", default_value_t = 1.0)]
+    pub prefix_weight: f64,
+    /// `prefix` policy: least-load decides instead when the pool's loads
+    /// differ by more than this many tokens...
+    #[arg(
+        long,
+        env = "PDSERVE_PREFIX_BALANCE_ABS_TOKENS",
+        default_value_t = 8192
+    )]
+    pub prefix_balance_abs_tokens: u64,
+    /// ...and the most loaded worker has more than this factor of the least.
+    #[arg(long, env = "PDSERVE_PREFIX_BALANCE_REL", default_value_t = 2.0)]
+    pub prefix_balance_rel: f64,
     /// Accepted API keys (comma-separated); none means no authentication.
     #[arg(long = "api-key", env = "PDSERVE_API_KEYS", value_delimiter = ',')]
     pub api_keys: Vec<String>,
@@ -165,6 +187,12 @@ impl Args {
             crate::discovery::parse_host_port(dns)?;
         }
         self.autoscaler.validate()?;
+        let finite = |x: f64| x.is_finite() && x >= 0.0;
+        if !finite(self.prefix_weight) || !finite(self.prefix_balance_rel) {
+            return Err(
+                "--prefix-weight and --prefix-balance-rel must be finite and not negative".into(),
+            );
+        }
         if self.api_keys.iter().any(|k| k.is_empty()) {
             return Err("an API key must not be empty".into());
         }
@@ -195,6 +223,14 @@ impl Args {
             prefill_retries: self.prefill_retries,
             decode_attempts: self.decode_attempts,
             connect_timeout: Duration::from_millis(self.worker_connect_timeout_ms.max(1)),
+        }
+    }
+
+    pub fn prefix_tuning(&self) -> PrefixTuning {
+        PrefixTuning {
+            weight: self.prefix_weight,
+            balance_abs_tokens: self.prefix_balance_abs_tokens,
+            balance_rel: self.prefix_balance_rel,
         }
     }
 

@@ -43,9 +43,10 @@ pub fn build_state(args: &Args) -> anyhow::Result<Arc<AppState>> {
         registry.add_static(Pool::Decode, url);
     }
     let metrics = Arc::new(RouterMetrics::new());
+    let tuning = args.prefix_tuning();
     let policies = (
-        policy::build(args.prefill_policy, Pool::Prefill),
-        policy::build(args.decode_policy, Pool::Decode),
+        policy::build(args.prefill_policy, Pool::Prefill, tuning),
+        policy::build(args.decode_policy, Pool::Decode, tuning),
     );
     let dispatcher = Arc::new(Dispatcher::new(
         registry.clone(),

@@ -5,8 +5,8 @@ use anyhow::Context;
 use clap::Parser;
 use pdserve_protocol::internal::Pool;
 use pdserve_router::autoscaler::{self, Executor, ExecutorKind, ExportOnly, LocalExecutor};
-use pdserve_router::supervisor::{Supervisor, SupervisorConfig};
 use pdserve_router::http::AppState;
+use pdserve_router::supervisor::{Supervisor, SupervisorConfig};
 use pdserve_router::{build_app, build_state, discovery, discovery_config, Args};
 use tokio_util::sync::CancellationToken;
 

@@ -266,7 +266,7 @@ async fn a_burst_splits_evenly_over_equal_decode_workers_with_every_policy() {
     // Regression: the router counted a decode assignment only until the
     // reservation returned, then trusted the worker's next report; between
     // two reports a burst landed on one worker (12 of 12).
-    for policy in ["least-load", "round-robin", "power-of-two"] {
+    for policy in ["prefix", "least-load", "round-robin", "power-of-two"] {
         let c = cluster(Opts {
             decode: 2,
             mock_args: &["--latency-scale", "1"],
@@ -285,18 +285,83 @@ async fn a_burst_splits_evenly_over_equal_decode_workers_with_every_policy() {
         // One after another, each reserved before the next is sent.
         let mut streams = Vec::new();
         for i in 0..12 {
-            let body = chat_body(&format!("prompt {i}"), json!({"max_tokens": 100, "stream": true}));
+            let body = chat_body(
+                &format!("prompt {i}"),
+                json!({"max_tokens": 100, "stream": true}),
+            );
             let resp = post(&c.url, "/v1/chat/completions", &body).await;
             assert_eq!(resp.status(), 200);
             let mut chunks = resp.bytes_stream();
             chunks.next().await.unwrap().unwrap();
             streams.push(chunks);
         }
-        let running: Vec<u64> = c.decode.iter().map(|w| w.load_report().active_sequences).collect();
+        let running: Vec<u64> = c
+            .decode
+            .iter()
+            .map(|w| w.load_report().active_sequences)
+            .collect();
         drop(streams);
         assert!(
             running.iter().all(|&n| (5..=7).contains(&n)),
             "{policy}: 12 requests landed {running:?}"
+        );
+    }
+}
+
+/// Sends `n` streaming requests with the same long prompt, each reserved
+/// before the next; returns the sequences running on each decode worker.
+async fn hot_prefix_burst(c: &Cluster, n: usize) -> Vec<u64> {
+    let prompt = "one hot system prompt that every request shares ".repeat(4);
+    let mut streams = Vec::new();
+    for _ in 0..n {
+        let body = chat_body(&prompt, json!({"max_tokens": 100, "stream": true}));
+        let resp = post(&c.url, "/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 200);
+        let mut chunks = resp.bytes_stream();
+        chunks.next().await.unwrap().unwrap();
+        streams.push(chunks);
+        // Let the workers' reports (and prefix digests) reach the router.
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    c.decode
+        .iter()
+        .map(|w| w.load_report().active_sequences)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prefix_policy_spreads_one_hot_prefix_over_saturated_workers() {
+    // By the load term alone, and, with affinity weighted far above load,
+    // by the balance guard.
+    let heavy: &[&str] = &[
+        "--prefix-weight",
+        "1000",
+        "--prefix-balance-abs-tokens",
+        "1000",
+    ];
+    for extra in [&[][..], heavy] {
+        let mut args = vec!["--mode", "aggregated", "--decode-policy", "prefix"];
+        args.extend_from_slice(extra);
+        let c = cluster(Opts {
+            decode: 2,
+            mock_args: &["--latency-scale", "1"],
+            router_args: &args,
+            ..Default::default()
+        })
+        .await;
+        let running = hot_prefix_burst(&c, 12).await;
+        assert!(
+            running.iter().all(|&n| n >= 3),
+            "{extra:?}: 12 requests landed {running:?}"
+        );
+        let cached: Vec<u64> = c
+            .decode
+            .iter()
+            .map(|w| w.load_report().prefix_cache.unwrap().len() as u64)
+            .collect();
+        assert!(
+            cached.iter().all(|&b| b > 0),
+            "both cache the prefix: {cached:?}"
         );
     }
 }

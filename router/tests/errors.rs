@@ -238,7 +238,9 @@ async fn a_request_past_its_deadline_is_504() {
             kv_url: None,
             report_seq: 0,
             cached_tokens: 0,
-        }).unwrap() + "\n";
+        })
+        .unwrap()
+            + "\n";
         let s = futures_util::stream::once(async move { Ok::<_, std::io::Error>(line) })
             .chain(futures_util::stream::pending());
         axum::body::Body::from_stream(s)

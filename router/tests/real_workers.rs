@@ -68,18 +68,75 @@ async fn a_repeated_prompt_reports_its_cached_tokens_and_the_same_text() {
     let model = TinyModel::new();
     let exe = workspace_binary("pdserve-decode").unwrap();
     let decode = WorkerProcess::worker(exe.to_str().unwrap(), &model.path, 5).await;
-    let (url, _) = router(model.arg(), &[], &[decode.url.clone()], &["--mode", "aggregated"]).await;
+    let (url, _) = router(
+        model.arg(),
+        &[],
+        std::slice::from_ref(&decode.url),
+        &["--mode", "aggregated"],
+    )
+    .await;
     let prompt = "the same long system prompt ".repeat(12);
     let mut seen = Vec::new();
     for _ in 0..2 {
         let body = completion_body(&prompt, json!({"max_tokens": 8, "ignore_eos": true}));
         let (s, v) = post_json(&url, "/v1/completions", &body).await;
         assert_eq!(s, 200, "{v}");
-        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
         let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
         seen.push((cached, v["choices"][0]["text"].clone(), prompt_tokens));
     }
     assert_eq!(seen[0].0, 0, "the first time, nothing is cached");
     assert!(seen[1].0 >= 16 && seen[1].0 < seen[1].2, "{seen:?}");
     assert_eq!(seen[0].1, seen[1].1, "a hit gives the text of a miss");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_prefill_their_prompt_once() {
+    if !workers_built() {
+        return;
+    }
+    let model = TinyModel::new();
+    let exe = |name: &str| {
+        workspace_binary(name)
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_string()
+    };
+    let prefill = WorkerProcess::worker(&exe("pdserve-prefill"), &model.path, 5).await;
+    let decode = WorkerProcess::worker(&exe("pdserve-decode"), &model.path, 5).await;
+    let (prefills, decodes) = ([prefill.url.clone()], [decode.url.clone()]);
+    let (url, _) = router(
+        model.arg(),
+        &prefills,
+        &decodes,
+        &["--mode", "disaggregated"],
+    )
+    .await;
+    let prompt = "a prompt long enough for several blocks ".repeat(8);
+    let body = completion_body(
+        &prompt,
+        json!({"max_tokens": 4, "n": 3, "seed": 1, "temperature": 0.9}),
+    );
+    let (s, v) = post_json(&url, "/v1/completions", &body).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"].as_array().unwrap().len(), 3);
+    let p = v["usage"]["prompt_tokens"].as_f64().unwrap();
+    // The first choice computes the prompt; the other two only its last
+    // partial block, from the prefill worker's cache.
+    let computed = metric(&metrics(&prefill.url).await, "pdserve_prompt_tokens_total");
+    assert!(
+        computed >= p && computed < p + 2.0 * 17.0,
+        "{computed} tokens for a prompt of {p}"
+    );
+    let hits = metric(
+        &metrics(&decode.url).await,
+        "pdserve_prefix_cache_hits_total",
+    );
+    assert!(
+        hits >= 2.0 * (p - 17.0),
+        "the decode worker shared the prompt's blocks: {hits}"
+    );
 }

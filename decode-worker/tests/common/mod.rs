@@ -9,9 +9,9 @@ use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
 use pdserve_engine::{KvDtype, KvPool, LoadOptions, Model, WeightFormat};
 use pdserve_protocol::internal::{GenerateRequest, KvSource, SamplingSpec};
 use pdserve_protocol::kvwire::{self, KvTrailer};
-use pdserve_worker::Served;
 use pdserve_testkit::tiny::{TinyModel, TINY_EOS};
 use pdserve_worker::decode::DecodeServer;
+use pdserve_worker::Served;
 
 pub use pdserve_testkit::http::load;
 pub use pdserve_testkit::ndjson::{token_ids as tokens, Lines};
@@ -131,7 +131,9 @@ pub fn kv_stream(
     let pool = KvPool::new(model.kv_layout(), 4096);
     let mut kv = pool.allocate(p.len()).unwrap();
     let layout = model.kv_layout();
-    let header = model.kv_shape().header(id, p.len() as u32, 0, dtype.into());
+    let header = model
+        .kv_shape()
+        .header(id, (0, p.len() as u32), 0, dtype.into());
     let mut out = kvwire::encode_header(&header).unwrap();
     let mut logits = Vec::new();
     for (c, tokens) in p.chunks(chunk).enumerate() {

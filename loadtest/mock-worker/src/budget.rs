@@ -69,6 +69,7 @@ impl KvBudget {
             Ok(_) => Ok(Reservation {
                 budget: self.clone(),
                 tokens,
+                cached: 0,
             }),
             Err(used) => Err(BudgetError::Exhausted {
                 requested: tokens,
@@ -95,6 +96,16 @@ impl KvBudget {
 pub struct Reservation {
     budget: Arc<KvBudget>,
     tokens: u64,
+    /// Leading prompt tokens the (simulated) prefix cache holds.
+    cached: usize,
+}
+
+impl Reservation {
+    /// The reservation, holding the first `cached` prompt tokens already.
+    pub fn with_cached(mut self, cached: usize) -> Self {
+        self.cached = cached;
+        self
+    }
 }
 
 /// A mock keeps no KV: the worker layer has decoded and checked every
@@ -111,7 +122,7 @@ impl KvImport for Reservation {
     fn reset(&mut self) {}
 
     fn cached(&self) -> usize {
-        0
+        self.cached
     }
 }
 

@@ -11,9 +11,11 @@ use std::time::Duration;
 
 use pdserve_protocol::internal::ErrorBody;
 use pdserve_protocol::kvwire::KvShape;
+use pdserve_protocol::prefix::PrefixDigest;
 use pdserve_text::{ModelConfig, Sampled};
 use pdserve_worker::decode::{
-    DecodeArgs, DecodeBackend, DecodeJob, DecodeMetrics, Outcome, SeqStream, retire_closed,
+    retire_closed, DecodeArgs, DecodeBackend, DecodeJob, DecodeMetrics, KvImport, Outcome,
+    SeqStream,
 };
 use pdserve_worker::kv::KvReport;
 use pdserve_worker::queue::{EngineQueue, EngineStats};
@@ -22,6 +24,7 @@ use tokio::time::Instant;
 
 use crate::budget::{KvBudget, Reservation};
 use crate::latency::LatencyModel;
+use crate::prefix::PrefixCache;
 use crate::shape::MockShape;
 use crate::tokens::sample_for;
 
@@ -40,6 +43,7 @@ pub struct BatcherConfig {
 pub struct MockDecode {
     shape: MockShape,
     budget: Arc<KvBudget>,
+    cache: PrefixCache,
     queue: EngineQueue<Job>,
 }
 
@@ -48,6 +52,11 @@ impl MockDecode {
     pub fn spawn(shape: MockShape, cfg: BatcherConfig, metrics: Arc<DecodeMetrics>) -> Self {
         let (queue, rx) = EngineQueue::new(cfg.limits.max_queue);
         let budget = KvBudget::new(cfg.limits.kv_cache_tokens as u64);
+        let cache = PrefixCache::new(
+            &cfg.limits.kv,
+            cfg.limits.kv_cache_tokens,
+            shape.kv.fingerprint,
+        );
         let batcher = Batcher {
             vocab: shape.vocab,
             cfg,
@@ -60,6 +69,7 @@ impl MockDecode {
         Self {
             shape,
             budget,
+            cache,
             queue,
         }
     }
@@ -80,15 +90,17 @@ impl DecodeBackend for MockDecode {
         self.shape.kv
     }
 
-    /// The whole of prompt + `max_tokens` up front: the mock has no blocks
-    /// to grow, nor a prefix cache.
-    fn reserve(&self, prompt: &[u32], max_tokens: u32, _reuse: bool) -> Result<Reservation, ErrorBody> {
+    /// The whole of prompt + `max_tokens` up front (the mock has no blocks
+    /// to grow), holding what the simulated prefix cache has of the prompt.
+    fn reserve(&self, prompt: &[u32], max_tokens: u32) -> Result<Reservation, ErrorBody> {
         let tokens = prompt.len() as u64 + u64::from(max_tokens);
-        Ok(self.budget.reserve(tokens)?)
+        let kv = self.budget.reserve(tokens)?;
+        Ok(kv.with_cached(self.cache.lookup(prompt)))
     }
 
     fn submit(&self, job: Job) -> Result<(), ErrorBody> {
-        let tokens = job.prompt.len() as u64;
+        let tokens = (job.prompt.len() - job.kv.cached()) as u64;
+        self.cache.insert(&job.prompt);
         self.queue.submit(job, tokens)
     }
 
@@ -97,11 +109,12 @@ impl DecodeBackend for MockDecode {
     }
 
     fn kv_usage(&self) -> KvReport {
-        KvReport {
-            used_tokens: self.budget.used(),
-            capacity_tokens: self.budget.capacity(),
-            ..Default::default()
-        }
+        self.cache
+            .report(self.budget.used(), self.budget.capacity())
+    }
+
+    fn prefix_digest(&self) -> Option<PrefixDigest> {
+        self.cache.digest()
     }
 }
 
@@ -144,8 +157,8 @@ impl Batcher {
         self.stats.taken(job.prompt.len() as u64, true);
         let prompt_len = job.prompt.len() as u32;
         let mut seq = Seq {
+            prefilled: job.kv.cached() as u32,
             stream: SeqStream::new(job.request_id, prompt_len, job.sampling, job.events),
-            prefilled: 0,
             started: false,
             _kv: job.kv,
         };

@@ -11,6 +11,7 @@ pub mod config;
 pub mod decode;
 pub mod latency;
 pub mod prefill;
+pub mod prefix;
 pub mod shape;
 pub mod tokens;
 
@@ -84,6 +85,8 @@ pub fn build(args: &Args, public_url: String) -> Result<Worker, BuildError> {
                 shape,
                 latency,
                 chunk_tokens: args.decode.prefill_chunk_tokens,
+                kv: args.decode.kv.clone(),
+                cache_tokens: args.decode.kv_cache_tokens,
                 queue_capacity: args.decode.max_queue,
                 kv_dtype: args.kv_dtype,
             };

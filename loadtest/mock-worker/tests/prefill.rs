@@ -7,9 +7,7 @@ use std::time::Duration;
 
 use common::*;
 use pdserve_mock_worker::Worker;
-use pdserve_protocol::internal::{
-    ErrorBody, ErrorClass, ErrorKind, FinishReason, GenerateEvent,
-};
+use pdserve_protocol::internal::{ErrorBody, ErrorClass, ErrorKind, FinishReason, GenerateEvent};
 use pdserve_protocol::kvwire::{self, KvDtype, KvHeader};
 use serde_json::{json, Value};
 
@@ -35,6 +33,7 @@ fn tiny_header(id: &str, fingerprint: u64, n_tokens: u32) -> KvHeader {
         n_kv_heads: KV_HEADS as u32,
         head_dim: HEAD_DIM as u32,
         n_tokens,
+        start_token: 0,
         seed: 0,
     }
 }
@@ -73,7 +72,7 @@ async fn prefill_streams_real_kv_that_the_decode_worker_accepts() {
     let r = post(&p.url, "/v1/internal/prefill", &job("rt", &body, &kv_url)).await;
     let result = prefill_outcome(r).await.expect("the KV was delivered");
     let kv = LAYERS * 2 * 40 * KV_HEADS * HEAD_DIM * 4;
-    let framing = 51 + 2 + 3 * LAYERS * 32 + 17 + 8 * 2;
+    let framing = 55 + 2 + 3 * LAYERS * 32 + 17 + 8 * 2;
     assert_eq!(result.transfer_bytes, kv + framing);
     assert_eq!(
         (result.request_id.as_str(), result.prompt_tokens),

@@ -74,6 +74,7 @@ pub fn job(id: &str, prompt: Vec<u32>, kv_destination: &str) -> PrefillJob {
         },
         kv_destination: kv_destination.into(),
         deadline_ms: 20_000,
+        cached_tokens: 0,
     }
 }
 

@@ -25,6 +25,7 @@ use crate::config::{DispatchConfig, Mode};
 use crate::error::ApiError;
 use crate::metrics::{pool_label, RouterMetrics};
 use crate::ndjson::LineReader;
+use crate::policy::prefix::cached_tokens;
 use crate::policy::{Policy, RequestInfo};
 use crate::registry::{Assignment, Registry, WorkerView};
 use pump::Pump;
@@ -38,6 +39,9 @@ pub struct SequenceRequest {
     pub request_id: String,
     pub prompt: Vec<u32>,
     pub sampling: SamplingSpec,
+    /// The decode worker to try first (a sibling choice's, whose prompt
+    /// blocks it caches), when it is ready.
+    pub prefer_decode: Option<String>,
 }
 
 /// What a sequence produces.
@@ -58,13 +62,32 @@ pub enum SeqEvent {
 /// A running sequence. Dropping it cancels the decode stream and the prefill job.
 pub struct Sequence {
     rx: mpsc::Receiver<Result<SeqEvent, ApiError>>,
+    /// An event taken early by [`Sequence::started`].
+    peeked: Option<Result<SeqEvent, ApiError>>,
     cached_tokens: u32,
+    decode_url: String,
     _pump: AbortOnDrop,
 }
 
 impl Sequence {
     pub async fn next(&mut self) -> Option<Result<SeqEvent, ApiError>> {
-        self.rx.recv().await
+        match self.peeked.take() {
+            Some(e) => Some(e),
+            None => self.rx.recv().await,
+        }
+    }
+
+    /// Waits for the first event (the first token, once the prompt's KV is
+    /// in the decode worker's cache), keeping it for [`Sequence::next`].
+    pub async fn started(&mut self) {
+        if self.peeked.is_none() {
+            self.peeked = self.rx.recv().await;
+        }
+    }
+
+    /// The decode worker that runs the sequence.
+    pub fn decode_url(&self) -> &str {
+        &self.decode_url
     }
 
     /// Leading prompt tokens the decode worker had cached.
@@ -97,6 +120,8 @@ struct Decode {
     kv_url: Option<String>,
     fingerprint: Option<u64>,
     cached_tokens: u32,
+    /// The prompt is prefilled on the decode worker itself.
+    local: bool,
     /// Counts the sequence on the worker until its report does.
     _assigned: Assignment,
 }
@@ -123,12 +148,13 @@ impl Dispatcher {
         }
     }
 
-    /// Whether this prompt is prefilled on the decode worker.
-    fn local_prefill(&self, prompt_tokens: usize) -> Result<bool, ApiError> {
+    /// Whether a prompt of which a decode worker lacks `uncached_tokens` is
+    /// prefilled on that worker.
+    fn local_prefill(&self, uncached_tokens: usize) -> Result<bool, ApiError> {
         let prefill_up = || self.registry.has_ready(Pool::Prefill);
         match self.cfg.mode {
             Mode::Aggregated => Ok(true),
-            Mode::Auto => Ok(prompt_tokens < self.cfg.local_prefill_max_tokens || !prefill_up()),
+            Mode::Auto => Ok(uncached_tokens < self.cfg.local_prefill_max_tokens || !prefill_up()),
             Mode::Disaggregated if prefill_up() => Ok(false),
             Mode::Disaggregated => Err(ApiError::NoWorker(Pool::Prefill)),
         }
@@ -138,8 +164,8 @@ impl Dispatcher {
     pub async fn start(self: &Arc<Self>, req: SequenceRequest) -> Result<Sequence, ApiError> {
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + self.cfg.request_timeout;
-        let local = self.local_prefill(req.prompt.len())?;
-        let decode = self.open_decode(&req, local).await?;
+        let decode = self.open_decode(&req).await?;
+        let local = decode.local;
         self.observe_stage(
             labels::STAGE_DECODE_RESERVE,
             started.elapsed().as_secs_f64(),
@@ -147,7 +173,8 @@ impl Dispatcher {
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         let prefill = match (&decode.kv_url, local) {
             (Some(kv_url), false) => {
-                Some(self.clone().spawn_prefill(&req, kv_url, decode.fingerprint))
+                let target = (kv_url.as_str(), decode.fingerprint, decode.cached_tokens);
+                Some(self.clone().spawn_prefill(&req, target))
             }
             (None, false) => {
                 return Err(ApiError::Upstream {
@@ -157,11 +184,13 @@ impl Dispatcher {
             }
             (_, true) => None,
         };
-        let cached_tokens = decode.cached_tokens;
+        let (cached_tokens, decode_url) = (decode.cached_tokens, decode.url.clone());
         let pump = tokio::spawn(Pump::new(self.clone(), decode, prefill, tx, deadline).run());
         Ok(Sequence {
             rx,
+            peeked: None,
             cached_tokens,
+            decode_url,
             _pump: AbortOnDrop(pump),
         })
     }
@@ -171,10 +200,9 @@ impl Dispatcher {
         self.cfg.prefill_timeout * attempts + Duration::from_secs(attempts as u64)
     }
 
-    /// Opens a generate stream on a decode worker, trying others when one is
-    /// full or unreachable.
-    async fn open_decode(&self, req: &SequenceRequest, local: bool) -> Result<Decode, ApiError> {
-        let body = GenerateRequest {
+    /// The generate request for a decode worker.
+    fn generate_body(&self, req: &SequenceRequest, local: bool) -> GenerateRequest {
+        GenerateRequest {
             request_id: req.request_id.clone(),
             prompt_tokens: req.prompt.clone(),
             sampling: req.sampling.clone(),
@@ -184,18 +212,32 @@ impl Dispatcher {
                     lease_ms: self.lease().as_millis() as u64,
                 },
             },
-        };
+        }
+    }
+
+    /// Opens a generate stream on a decode worker, trying others when one is
+    /// full or unreachable. Where the prompt is prefilled depends on how
+    /// much of it the chosen worker's prefix cache lacks.
+    async fn open_decode(&self, req: &SequenceRequest) -> Result<Decode, ApiError> {
         let info = RequestInfo {
             prompt_tokens: req.prompt.len() as u64,
             reserve_tokens: (req.prompt.len() + req.sampling.max_tokens as usize) as u64,
+            prompt: &req.prompt,
         };
         let mut tried = Vec::new();
         let mut last = ApiError::NoWorker(Pool::Decode);
         for _ in 0..self.cfg.decode_attempts {
-            let Some(w) = self.pick(Pool::Decode, &info, &tried, None) else {
+            let preferred = match tried.is_empty() {
+                true => self.preferred(req.prefer_decode.as_deref()),
+                false => None,
+            };
+            let Some(w) = preferred.or_else(|| self.pick(Pool::Decode, &info, &tried, None)) else {
                 break;
             };
             tried.push(w.url.clone());
+            let uncached = req.prompt.len() as u64 - cached_tokens(&w, &req.prompt);
+            let local = self.local_prefill(uncached as usize)?;
+            let body = self.generate_body(req, local);
             let assigned = self.registry.assign(&w.url, info.reserve_tokens);
             match self.try_decode(&w, &body, assigned).await {
                 Ok(d) => return Ok(d),
@@ -234,6 +276,7 @@ impl Dispatcher {
                     kv_url,
                     fingerprint: w.fingerprint,
                     cached_tokens,
+                    local: matches!(body.kv_source, KvSource::Local),
                     _assigned: assigned,
                 })
             }
@@ -296,6 +339,13 @@ impl Dispatcher {
         err
     }
 
+    /// The decode worker at `url`, when it is ready.
+    fn preferred(&self, url: Option<&str>) -> Option<WorkerView> {
+        let url = url?;
+        let all = self.registry.candidates(Pool::Decode, None);
+        all.into_iter().find(|w| w.url == url)
+    }
+
     /// A ready worker not tried yet (or any ready one when all were tried).
     fn pick(
         &self,
@@ -324,11 +374,12 @@ impl Dispatcher {
         policy.select(&set, info).and_then(|i| set.get(i).cloned())
     }
 
+    /// Starts the prefill job for the decode worker at `kv_url` (with
+    /// `fingerprint`), which holds the first `cached_tokens` of the prompt.
     fn spawn_prefill(
         self: Arc<Self>,
         req: &SequenceRequest,
-        kv_url: &str,
-        fingerprint: Option<u64>,
+        (kv_url, fingerprint, cached_tokens): (&str, Option<u64>, u32),
     ) -> AbortOnDropResult {
         let job = PrefillJob {
             request_id: req.request_id.clone(),
@@ -336,6 +387,7 @@ impl Dispatcher {
             sampling: req.sampling.clone(),
             kv_destination: kv_url.to_string(),
             deadline_ms: self.cfg.prefill_timeout.as_millis() as u64,
+            cached_tokens,
         };
         AbortOnDropResult(tokio::spawn(
             async move { self.prefill(job, fingerprint).await },
@@ -351,6 +403,7 @@ impl Dispatcher {
         let info = RequestInfo {
             prompt_tokens: job.prompt_tokens.len() as u64,
             reserve_tokens: 0,
+            prompt: &job.prompt_tokens,
         };
         let mut tried = Vec::new();
         let mut last = ApiError::NoWorker(Pool::Prefill);

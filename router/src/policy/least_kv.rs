@@ -46,6 +46,7 @@ mod tests {
         let req = |t| RequestInfo {
             prompt_tokens: 0,
             reserve_tokens: t,
+            prompt: &[],
         };
         assert_eq!(LeastKv.select(&ws, &req(50)), Some(1));
         // Nothing fits 600: the one with the most free KV.

@@ -1,12 +1,14 @@
 //! Worker selection policies, one file each behind a small trait.
 //!
-//! The defaults: prefill → fewest pending prompt tokens ([`least_prefill`]);
-//! decode → most free KV among workers that can hold the reservation
-//! ([`least_kv`]).
+//! The default for both pools is KV-aware ([`prefix`]): the prompt blocks a
+//! worker would have to compute plus its load. `least-load` is fewest
+//! pending prompt tokens for prefill ([`least_prefill`]) and most free KV
+//! among workers that can hold the reservation for decode ([`least_kv`]).
 
 mod least_kv;
 mod least_prefill;
 mod power_of_two;
+pub mod prefix;
 mod round_robin;
 
 use pdserve_protocol::internal::Pool;
@@ -16,11 +18,13 @@ use crate::registry::WorkerView;
 
 /// What a policy knows about the request it places.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct RequestInfo {
+pub struct RequestInfo<'a> {
     /// Prompt tokens to prefill.
     pub prompt_tokens: u64,
     /// KV tokens to reserve on the decode worker (prompt + max_tokens).
     pub reserve_tokens: u64,
+    /// The prompt, matched against the workers' prefix caches.
+    pub prompt: &'a [u32],
 }
 
 pub trait Policy: Send + Sync {
@@ -39,8 +43,9 @@ pub fn cost(pool: Pool, w: &WorkerView) -> u64 {
     }
 }
 
-pub fn build(kind: PolicyKind, pool: Pool) -> Box<dyn Policy> {
+pub fn build(kind: PolicyKind, pool: Pool, tuning: prefix::PrefixTuning) -> Box<dyn Policy> {
     match (kind, pool) {
+        (PolicyKind::Prefix, pool) => Box::new(prefix::PrefixAware::new(pool, tuning)),
         (PolicyKind::LeastLoad, Pool::Prefill) => Box::new(least_prefill::LeastPrefill),
         (PolicyKind::LeastLoad, Pool::Decode) => Box::new(least_kv::LeastKv),
         (PolicyKind::RoundRobin, _) => Box::new(round_robin::RoundRobin::default()),
@@ -62,5 +67,6 @@ pub(crate) fn worker(url: &str, queued_tokens: u64, kv_used: u64, kv_free: u64) 
         assigned_requests: 0,
         assigned_tokens: 0,
         fingerprint: None,
+        prefix: None,
     }
 }

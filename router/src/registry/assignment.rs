@@ -92,7 +92,8 @@ impl Assignment {
 
 impl Drop for Assignment {
     fn drop(&mut self) {
-        self.registry.with_in_flight(&self.url, |f| f.remove(self.id));
+        self.registry
+            .with_in_flight(&self.url, |f| f.remove(self.id));
     }
 }
 

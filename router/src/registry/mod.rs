@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use pdserve_protocol::internal::{Heartbeat, LoadReport, Pool, WorkerRegistration};
+use pdserve_protocol::prefix::{PrefixDigest, PrefixSet};
 
 pub use assignment::Assignment;
 use assignment::InFlight;
@@ -66,6 +67,9 @@ struct Entry {
     in_flight: InFlight,
     /// Health polls failed in a row.
     failed_polls: u32,
+    /// The blocks its prefix cache holds, as last reported (the digest is
+    /// kept to skip parsing an unchanged one).
+    prefix: Option<(PrefixDigest, Arc<PrefixSet>)>,
 }
 
 /// Health polls that must fail in a row before a worker counts as down: one
@@ -80,6 +84,8 @@ pub struct WorkerView {
     pub assigned_requests: u64,
     pub assigned_tokens: u64,
     pub fingerprint: Option<u64>,
+    /// The blocks its prefix cache holds; `None` when it reports none.
+    pub prefix: Option<Arc<PrefixSet>>,
 }
 
 #[derive(Default)]
@@ -91,6 +97,18 @@ fn health_of(load: &LoadReport) -> Health {
     match load.ready {
         true => Health::Ready,
         false => Health::Draining,
+    }
+}
+
+/// A worker's digest, parsed; one that does not parse is ignored (the
+/// worker is then routed as if its cache were empty).
+fn parse_digest(url: &str, d: PrefixDigest) -> Option<(PrefixDigest, Arc<PrefixSet>)> {
+    match d.parse() {
+        Ok(set) => Some((d, Arc::new(set))),
+        Err(e) => {
+            tracing::warn!(%url, "ignoring the worker's prefix digest: {e}");
+            None
+        }
     }
 }
 
@@ -110,6 +128,7 @@ impl Registry {
             last_seen: Instant::now(),
             in_flight: InFlight::default(),
             failed_polls: 0,
+            prefix: None,
         });
         entry.pool = pool;
         entry.fingerprint = fingerprint.or(entry.fingerprint);
@@ -155,7 +174,8 @@ impl Registry {
     }
 
     /// A good load report (poll or heartbeat); false when the worker is unknown.
-    pub fn record_load(&self, url: &str, load: LoadReport) -> bool {
+    pub fn record_load(&self, url: &str, mut load: LoadReport) -> bool {
+        let digest = load.prefix_cache.take();
         let mut map = self.lock();
         let Some(e) = map.get_mut(url) else {
             return false;
@@ -165,6 +185,11 @@ impl Registry {
         e.in_flight.reported(load.report_seq);
         e.load = load;
         e.last_seen = Instant::now();
+        e.prefix = match (digest, e.prefix.take()) {
+            (Some(d), Some(last)) if d == last.0 => Some(last),
+            (Some(d), _) => parse_digest(url, d),
+            (None, _) => None,
+        };
         true
     }
 
@@ -237,6 +262,7 @@ impl Registry {
                     assigned_requests,
                     assigned_tokens,
                     fingerprint: e.fingerprint,
+                    prefix: e.prefix.as_ref().map(|(_, set)| set.clone()),
                 }
             })
             .collect()
@@ -419,12 +445,49 @@ mod tests {
             ..ready(0)
         };
         r.record_load("http://d", report(4));
-        assert_eq!(assigned(&r), 130, "report 4 may predate the acknowledgement");
+        assert_eq!(
+            assigned(&r),
+            130,
+            "report 4 may predate the acknowledgement"
+        );
         r.record_load("http://d", report(5));
         assert_eq!(assigned(&r), 30, "report 5 counts it: not twice");
         drop(a);
         assert_eq!(assigned(&r), 30);
         drop(b);
         assert_eq!(assigned(&r), 0);
+    }
+
+    #[test]
+    fn the_prefix_digest_is_kept_per_worker_and_dropped_when_no_longer_sent() {
+        use pdserve_protocol::prefix::block_hashes;
+        let r = Registry::default();
+        r.add_static(Pool::Decode, "http://d");
+        let prompt: Vec<u32> = (0..40).collect();
+        let hashes = block_hashes(&prompt, 16, 3);
+        let with = |d: Option<PrefixDigest>| LoadReport {
+            prefix_cache: d,
+            ..ready(0)
+        };
+        r.record_load(
+            "http://d",
+            with(Some(PrefixDigest::new(16, 3, hashes.clone()))),
+        );
+        let view = r.candidates(Pool::Decode, None).remove(0);
+        assert!(
+            view.load.prefix_cache.is_none(),
+            "the raw digest is not copied around"
+        );
+        assert_eq!(view.prefix.unwrap().leading_blocks(&hashes), 2);
+        let bad = PrefixDigest {
+            block_tokens: 16,
+            seed: 3,
+            blocks: "xyz".into(),
+        };
+        r.record_load("http://d", with(Some(bad)));
+        assert!(r.candidates(Pool::Decode, None)[0].prefix.is_none());
+        r.record_load("http://d", with(Some(PrefixDigest::new(16, 3, hashes))));
+        r.record_load("http://d", with(None));
+        assert!(r.candidates(Pool::Decode, None)[0].prefix.is_none());
     }
 }

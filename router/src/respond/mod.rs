@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use pdserve_protocol::openai::Usage;
 use pdserve_text::Tokenizer;
 
-use crate::dispatch::{Dispatcher, SequenceRequest};
+use crate::dispatch::{Dispatcher, Sequence, SequenceRequest};
 use crate::error::ApiError;
 use crate::frontend::Prepared;
 use crate::request::Request;
@@ -48,21 +48,13 @@ async fn start_choices(
     ctx: &Ctx,
     prepared: &Prepared,
 ) -> Result<Vec<Choice>, ApiError> {
-    let n = prepared.params.n;
-    let mut starts = Vec::new();
-    for (p, plan) in prepared.prompts.iter().enumerate() {
-        for i in 0..n {
-            let index = p as u32 * n + i;
-            let req = SequenceRequest {
-                request_id: format!("{}-{index}", ctx.header.id),
-                prompt: plan.tokens.clone(),
-                sampling: prepared.params.for_choice(i, plan.max_tokens),
-            };
-            starts.push(async move { (index, dispatcher.start(req).await) });
-        }
-    }
-    let mut choices = Vec::with_capacity(starts.len());
-    for (index, seq) in futures_util::future::join_all(starts).await {
+    let starts = (0..prepared.prompts.len()).map(|p| start_prompt(dispatcher, ctx, prepared, p));
+    let mut choices = Vec::new();
+    for (index, seq) in futures_util::future::join_all(starts)
+        .await
+        .into_iter()
+        .flatten()
+    {
         choices.push(Choice::new(
             index,
             seq?,
@@ -74,6 +66,40 @@ async fn start_choices(
     Ok(choices)
 }
 
+/// Starts the `n` choices of prompt `p`. With `n > 1` the prompt is
+/// prefilled once: the first choice starts alone, and the others start on
+/// its decode worker once its first token is out, taking the prompt's
+/// blocks from that worker's prefix cache.
+async fn start_prompt(
+    dispatcher: &Arc<Dispatcher>,
+    ctx: &Ctx,
+    prepared: &Prepared,
+    p: usize,
+) -> Vec<(u32, Result<Sequence, ApiError>)> {
+    let (n, plan) = (prepared.params.n, &prepared.prompts[p]);
+    let req = |i: u32, prefer_decode: Option<String>| SequenceRequest {
+        request_id: format!("{}-{}", ctx.header.id, p as u32 * n + i),
+        prompt: plan.tokens.clone(),
+        sampling: prepared.params.for_choice(i, plan.max_tokens),
+        prefer_decode,
+    };
+    let mut first = dispatcher.start(req(0, None)).await;
+    let prefer = match &mut first {
+        Ok(seq) if n > 1 => {
+            seq.started().await;
+            seq.decode_url().to_string()
+        }
+        _ => return vec![(p as u32 * n, first)],
+    };
+    let rest = (1..n).map(|i| {
+        let r = req(i, Some(prefer.clone()));
+        async move { (p as u32 * n + i, dispatcher.start(r).await) }
+    });
+    let mut all = vec![(p as u32 * n, first)];
+    all.extend(futures_util::future::join_all(rest).await);
+    all
+}
+
 fn prompt_usage(prepared: &Prepared) -> u32 {
     prepared.prompts.iter().map(|p| p.tokens.len() as u32).sum()
 }
@@ -82,7 +108,11 @@ fn prompt_usage(prepared: &Prepared) -> u32 {
 /// prompt (the prompt counts once, as in `prompt_tokens`).
 fn cached_usage(prepared: &Prepared, choices: &[Choice]) -> u32 {
     let n = prepared.params.n as usize;
-    choices.iter().step_by(n.max(1)).map(Choice::cached_tokens).sum()
+    choices
+        .iter()
+        .step_by(n.max(1))
+        .map(Choice::cached_tokens)
+        .sum()
 }
 
 /// Collects every choice, then answers with one JSON object.

@@ -100,10 +100,16 @@ pub async fn router(
     decode: &[String],
     extra: &[&str],
 ) -> (String, Arc<pdserve_router::http::AppState>) {
-    let mut argv: Vec<String> = ["pdserve-router", "--model", model, "--served-model-name", MODEL]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let mut argv: Vec<String> = [
+        "pdserve-router",
+        "--model",
+        model,
+        "--served-model-name",
+        MODEL,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     if !extra.contains(&"--health-interval-ms") {
         argv.extend(["--health-interval-ms".to_string(), "50".to_string()]);
     }

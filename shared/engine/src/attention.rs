@@ -271,7 +271,11 @@ mod tests {
         // Rows: the last token of seq 0, the last three of seq 1, one of seq 2 at pos 1.
         let row_seq = vec![(0, 0), (1, 4), (1, 5), (1, 6), (2, 1)];
         let q = values(row_seq.len() * h.n_heads * h.head_dim, 7);
-        let seqs: Vec<SeqView> = ks.iter().zip(&vs).map(|(k, v)| paged(k, v, kv_row, 2)).collect();
+        let seqs: Vec<SeqView> = ks
+            .iter()
+            .zip(&vs)
+            .map(|(k, v)| paged(k, v, kv_row, 2))
+            .collect();
         let mut out = vec![0f32; q.len()];
         attention(&q, &seqs, &row_seq, h, &mut out);
         let w = h.n_heads * h.head_dim;

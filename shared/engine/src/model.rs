@@ -16,7 +16,7 @@ use candle_core::{Device, Tensor};
 
 use crate::attention::{attention, rms_norm, swiglu, Heads, Rope, SeqView};
 use crate::error::{EngineError, Result};
-use crate::kv::{Half, KvLayout, SeqKv};
+use crate::kv::{Half, KvConfig, KvLayout, KvPool, SeqKv};
 use crate::profile::{Stage, StageClock};
 use crate::weights::{dequantized, Linear, WeightFormat};
 use pdserve_text::ModelConfig;
@@ -213,6 +213,18 @@ impl Model {
             n_kv_heads: self.cfg.n_kv_heads,
             head_dim: self.cfg.head_dim,
         }
+    }
+
+    /// A KV pool for this model of `budget_tokens` in blocks of
+    /// `block_tokens`, with or without the prefix cache.
+    pub fn kv_pool(&self, budget_tokens: usize, block_tokens: usize, prefix_cache: bool) -> KvPool {
+        let cfg = KvConfig {
+            budget_tokens,
+            block_tokens,
+            prefix_cache,
+            fingerprint: self.fingerprint,
+        };
+        KvPool::with_config(self.kv_layout(), cfg)
     }
 
     /// Runs `tokens` (a whole prompt, or the next chunk of one) into `kv` and

@@ -212,7 +212,11 @@ fn the_candle_free_header_reader_sees_what_candle_sees() {
         assert_eq!(mine.shape(), info.shape.dims(), "{name}");
         assert_eq!(mine.offset, info.offset, "{name}");
         let dtype = format!("{:?}", info.ggml_dtype).to_lowercase();
-        assert_eq!(pdserve_text::gguf::type_name(mine.ggml_type), dtype, "{name}");
+        assert_eq!(
+            pdserve_text::gguf::type_name(mine.ggml_type),
+            dtype,
+            "{name}"
+        );
     }
     assert_eq!(ours.data_offset, theirs.tensor_data_offset);
 }

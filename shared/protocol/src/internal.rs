@@ -11,6 +11,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::prefix::PrefixDigest;
+
 pub use crate::error::{ErrorBody, ErrorClass, ErrorKind};
 
 /// Version of this API; sent in the `x-pdserve-api` header.
@@ -133,6 +135,10 @@ pub struct PrefillJob {
     pub kv_destination: String,
     /// The job fails (retryably) if the KV is not delivered within this time.
     pub deadline_ms: u64,
+    /// Leading prompt tokens the decode worker already holds (its
+    /// `Reserved` event's `cached_tokens`): the KV stream starts after them.
+    #[serde(default)]
+    pub cached_tokens: u32,
 }
 
 /// One line of a prefill job's answer (`application/x-ndjson`): `queued`
@@ -179,6 +185,34 @@ pub struct LoadReport {
     /// acknowledged at `report_seq = n` is counted by every report above n.
     #[serde(default)]
     pub report_seq: u64,
+    /// The blocks the worker's prefix cache holds, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix_cache: Option<PrefixDigest>,
+}
+
+/// A worker's KV cache, as its load report and metrics show it (built by
+/// the engine, read by the worker layer; not itself sent).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvReport {
+    /// Tokens of the blocks live sequences hold.
+    pub used_tokens: u64,
+    pub capacity_tokens: u64,
+    pub blocks_used: u64,
+    /// Cached blocks nobody holds (reclaimable).
+    pub blocks_cached: u64,
+    pub blocks_free: u64,
+    /// Prompt tokens looked up in the prefix cache, and found.
+    pub prefix_queried_tokens: u64,
+    pub prefix_hit_tokens: u64,
+    /// Cached blocks reclaimed for new work.
+    pub evictions: u64,
+}
+
+impl KvReport {
+    /// Tokens a new request can take: free and reclaimable blocks.
+    pub fn free_tokens(&self) -> u64 {
+        self.capacity_tokens.saturating_sub(self.used_tokens)
+    }
 }
 
 /// The two worker pools.
@@ -266,10 +300,14 @@ mod tests {
             transfer_bytes: 10,
         });
         let json = serde_json::to_string(&done).unwrap();
-        assert!(json.starts_with(r#"{"event":"done","request_id":"r""#), "{json}");
+        assert!(
+            json.starts_with(r#"{"event":"done","request_id":"r""#),
+            "{json}"
+        );
         assert_eq!(serde_json::from_str::<PrefillEvent>(&json).unwrap(), done);
         // A reservation from an older worker, without report_seq, still reads.
-        let old: GenerateEvent = serde_json::from_str(r#"{"event":"reserved","kv_url":null}"#).unwrap();
+        let old: GenerateEvent =
+            serde_json::from_str(r#"{"event":"reserved","kv_url":null}"#).unwrap();
         assert_eq!(
             old,
             GenerateEvent::Reserved {

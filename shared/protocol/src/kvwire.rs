@@ -1,4 +1,4 @@
-//! KV-cache wire format (version 1).
+//! KV-cache wire format (version 2).
 //!
 //! A prefill worker computes a prompt's KV cache and streams it, layer by
 //! layer, to a decode worker. A stream is one **header** frame, zero or more
@@ -9,7 +9,8 @@
 //! ```text
 //! header  "PDKV" version:u16 flags:u16 body_len:u32
 //!         body = id_len:u16 request_id fingerprint:u64 dtype:u8
-//!                n_layers:u32 n_kv_heads:u32 head_dim:u32 n_tokens:u32 seed:u64
+//!                n_layers:u32 n_kv_heads:u32 head_dim:u32 n_tokens:u32
+//!                start_token:u32 seed:u64
 //!         crc:u32
 //! layer   "KVLF" layer_start:u32 layer_count:u32 token_start:u32 token_count:u32
 //!         payload_len:u64 payload crc:u32
@@ -23,8 +24,10 @@
 //!
 //! Frames cover the KV cache in chunks of tokens (chunked prefill); within a
 //! chunk, layers go in order, every frame of a chunk carrying the same token
-//! range. The end frame is accepted only once all `n_tokens` tokens are
-//! covered for all layers.
+//! range. The first chunk starts at `start_token`: the leading tokens the
+//! receiver already holds (its prefix cache) are not sent. The end frame
+//! is accepted only once tokens `start_token..n_tokens` are covered for all
+//! layers.
 //!
 //! Encode with [`encode_header`], [`encode_layers`] (or
 //! [`encode_layer_parts`]) and [`encode_end`]; decode incrementally with
@@ -47,7 +50,7 @@ pub use types::{ExpectedKv, KvDtype, KvEvent, KvHeader, KvLimits, KvTrailer, Lay
 pub use validate::validate_against;
 
 /// The only wire-format version this crate reads and writes.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Tag of the header frame.
 pub const HEADER_TAG: [u8; 4] = *b"PDKV";
 /// Tag of a layer frame.

@@ -16,6 +16,8 @@
 )]
 
 pub mod error;
+pub mod hash;
 pub mod internal;
 pub mod kvwire;
 pub mod openai;
+pub mod prefix;

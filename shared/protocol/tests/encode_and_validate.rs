@@ -91,14 +91,16 @@ fn expected() -> ExpectedKv {
         n_kv_heads: h.n_kv_heads,
         head_dim: h.head_dim,
         max_tokens: h.n_tokens,
+        start_token: h.start_token,
     }
 }
 
 #[test]
 fn validate_against_mismatches() {
     assert_eq!(validate_against(&small(), &expected()), Ok(()));
-    let cases: [(&str, Change); 5] = [
+    let cases: [(&str, Change); 6] = [
         ("request_id", |e| e.request_id = "other".into()),
+        ("start_token", |e| e.start_token = 2),
         ("model_fingerprint", |e| e.model_fingerprint ^= 1),
         ("n_layers", |e| e.n_layers += 1),
         ("n_kv_heads", |e| e.n_kv_heads += 1),

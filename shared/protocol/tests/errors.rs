@@ -49,16 +49,16 @@ fn bad_magic() {
 }
 
 #[test]
-fn version_2_is_unsupported() {
+fn version_3_is_unsupported() {
     let mut bytes = encode_header(&small()).unwrap();
-    bytes[4] = 2;
+    bytes[4] = 3;
     reseal(&mut bytes);
     let err = decode_err(KvLimits::default(), &bytes);
     assert_eq!(
         err,
         KvWireError::UnsupportedVersion {
-            version: 2,
-            supported: 1
+            version: 3,
+            supported: 2
         }
     );
     assert_eq!(err.kind(), "unsupported_version");
@@ -148,7 +148,7 @@ fn header_body_len_over_limit_is_rejected_from_the_prefix() {
         KvWireError::LimitExceeded {
             field: "header body_len",
             value: u64::from(u32::MAX),
-            limit: 163
+            limit: 167
         }
     );
 }

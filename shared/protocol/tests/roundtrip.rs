@@ -74,7 +74,7 @@ fn single_chunk_single_frame_stream() {
 fn header_is_available_before_the_layers_arrive() {
     let stream = sample(KvDtype::F16);
     let mut decoder = pdserve_protocol::kvwire::KvStreamDecoder::new(Default::default());
-    let header_len = 12 + 2 + 8 + 33 + 4;
+    let header_len = 12 + 2 + 8 + 37 + 4;
     assert!(decoder
         .push(&stream.bytes[..header_len - 1])
         .expect("ok")
@@ -90,4 +90,27 @@ fn header_is_available_before_the_layers_arrive() {
         decoder.finish(),
         Err(pdserve_protocol::kvwire::KvWireError::Truncated)
     );
+}
+
+/// A delta stream: the receiver holds the first 6 of 10 tokens, so the
+/// stream starts at token 6; a chunk from 0 is out of order.
+#[test]
+fn a_stream_may_start_after_the_tokens_the_receiver_holds() {
+    let mut h = header(KvDtype::F32, 2, 1, 2, 10);
+    h.start_token = 6;
+    let chunk = |token_start, token_count| Chunk {
+        token_start,
+        token_count,
+        groups: vec![(0, 2)],
+    };
+    let stream = build(&h, &[chunk(6, 3), chunk(9, 1)], &trailer(0), 3);
+    let events = decode_chunked(&stream.bytes, 5).expect("decodes");
+    assert_eq!(events, stream.events);
+    let from_zero = build(&h, &[chunk(0, 10)], &trailer(0), 3);
+    let err = decode_chunked(&from_zero.bytes, 5).unwrap_err();
+    assert_eq!(err.kind(), "out_of_order", "{err}");
+    let short = build(&h, &[chunk(6, 3)], &trailer(0), 3);
+    assert!(decode_chunked(&short.bytes, 5).is_err());
+    h.start_token = 11;
+    assert!(pdserve_protocol::kvwire::encode_header(&h).is_err());
 }

@@ -11,7 +11,7 @@ pub mod config;
 pub mod detok;
 mod error;
 pub mod gguf;
-pub mod hash;
+pub use pdserve_protocol::hash;
 mod metadata;
 pub mod sampling;
 pub mod stop;

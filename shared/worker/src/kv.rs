@@ -1,5 +1,9 @@
 //! The KV cache's flags and report, the same for every backend.
 
+pub use pdserve_protocol::internal::KvReport;
+use pdserve_runtime::metrics::{self as m, labels};
+use prometheus::{IntCounter, IntGaugeVec, Registry};
+
 /// On or off.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Switch {
@@ -25,26 +29,68 @@ pub struct KvArgs {
     pub prefix_cache: Switch,
 }
 
-/// A worker's KV cache, as its load report and metrics show it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct KvReport {
-    /// Tokens of the blocks live sequences hold.
-    pub used_tokens: u64,
-    pub capacity_tokens: u64,
-    pub blocks_used: u64,
-    /// Cached blocks nobody holds (reclaimable).
-    pub blocks_cached: u64,
-    pub blocks_free: u64,
-    /// Prompt tokens looked up in the prefix cache, and found.
-    pub prefix_queried_tokens: u64,
-    pub prefix_hit_tokens: u64,
-    /// Cached blocks reclaimed for new work.
-    pub evictions: u64,
+/// The KV budget in tokens: `bytes` over the model's `bytes_per_token`
+/// when a byte budget is given, else `tokens`.
+pub fn budget_tokens(tokens: usize, bytes: Option<u64>, bytes_per_token: usize) -> usize {
+    match bytes {
+        Some(bytes) => (bytes / bytes_per_token.max(1) as u64) as usize,
+        None => tokens,
+    }
 }
 
-impl KvReport {
-    /// Tokens a new request can take: free and reclaimable blocks.
-    pub fn free_tokens(&self) -> u64 {
-        self.capacity_tokens.saturating_sub(self.used_tokens)
+/// The KV cache series every worker exports, prefill and decode alike.
+pub struct KvMetrics {
+    /// Blocks by state: used, cached (reclaimable), free.
+    pub blocks: IntGaugeVec,
+    /// Prompt tokens looked up in the prefix cache, and found (counted
+    /// from the pool's own totals at each scrape).
+    pub prefix_queries: IntCounter,
+    pub prefix_hits: IntCounter,
+    pub evictions: IntCounter,
+}
+
+impl KvMetrics {
+    pub fn new(r: &Registry) -> Self {
+        Self {
+            blocks: m::int_gauge_vec(
+                r,
+                m::KV_CACHE_BLOCKS,
+                "KV blocks by state: used (held by sequences), cached (reclaimable), free.",
+                &["state"],
+            ),
+            prefix_queries: m::counter(
+                r,
+                m::PREFIX_CACHE_QUERIES_TOTAL,
+                "Prompt tokens looked up in the prefix cache.",
+            ),
+            prefix_hits: m::counter(
+                r,
+                m::PREFIX_CACHE_HITS_TOTAL,
+                "Prompt tokens found in the prefix cache (not computed).",
+            ),
+            evictions: m::counter(
+                r,
+                m::KV_CACHE_EVICTIONS_TOTAL,
+                "Cached KV blocks reclaimed for new work.",
+            ),
+        }
+    }
+
+    /// Sets the series from the cache's report.
+    pub fn publish(&self, r: &KvReport) {
+        for (state, n) in [
+            (labels::KV_BLOCKS_USED, r.blocks_used),
+            (labels::KV_BLOCKS_CACHED, r.blocks_cached),
+            (labels::KV_BLOCKS_FREE, r.blocks_free),
+        ] {
+            self.blocks.with_label_values(&[state]).set(n as i64);
+        }
+        for (c, total) in [
+            (&self.prefix_queries, r.prefix_queried_tokens),
+            (&self.prefix_hits, r.prefix_hit_tokens),
+            (&self.evictions, r.evictions),
+        ] {
+            c.inc_by(total.saturating_sub(c.get()));
+        }
     }
 }

@@ -89,6 +89,7 @@ impl EngineStats {
             kv_free_tokens: 0,
             tokens_per_second: self.tokens_per_second(),
             ready,
+            prefix_cache: None,
         }
     }
 }

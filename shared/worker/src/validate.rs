@@ -26,10 +26,17 @@ pub fn generate(config: &ModelConfig, req: &GenerateRequest) -> Result<(), Error
     sampling(&req.sampling)
 }
 
-/// A prefill job: a prompt that fits, and an http(s) KV destination.
+/// A prefill job: a prompt that fits, fewer cached tokens than it has, and
+/// an http(s) KV destination.
 pub fn prefill(config: &ModelConfig, job: &PrefillJob) -> Result<(), ErrorBody> {
     validate_request_id(&job.request_id)?;
     config.check_prompt(&job.prompt_tokens, 0)?;
+    if job.cached_tokens as usize >= job.prompt_tokens.len() {
+        return Err(ErrorBody::fatal(
+            ErrorKind::InvalidRequest,
+            "cached_tokens must be below the prompt's length (its last token is always computed)",
+        ));
+    }
     let url = &job.kv_destination;
     if !(url.starts_with("http://") || url.starts_with("https://")) {
         return Err(ErrorBody::fatal(

@@ -88,9 +88,9 @@ pub fn remote(lease_ms: u64) -> Value {
 }
 
 /// Bytes of a KV stream of `n` tokens in f32, one chunk, with `n_top` top
-/// logprobs, from the format (kvwire.rs): header 51 + id, each layer frame
+/// logprobs, from the format (kvwire.rs): header 55 + id, each layer frame
 /// 32 + K and V, end frame 17 + 8 per top logprob.
 pub fn expected_stream_bytes(id: &str, n: u64, n_top: u64) -> u64 {
     let kv = LAYERS * 2 * n * KV_HEADS * HEAD_DIM * 4;
-    51 + id.len() as u64 + LAYERS * 32 + kv + 17 + 8 * n_top
+    55 + id.len() as u64 + LAYERS * 32 + kv + 17 + 8 * n_top
 }

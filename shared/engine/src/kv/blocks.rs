@@ -5,22 +5,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use pdserve_text::hash::Fnv64;
-
 /// A block's index in the pool's storage.
 pub(crate) type BlockId = u32;
-
-/// The identity of a full block's content: the hash of the block before it
-/// (0 for the first), its tokens and the model.
-pub(crate) fn chain_hash(parent: u64, tokens: &[u32], fingerprint: u64) -> u64 {
-    let mut h = Fnv64::default();
-    h.write(&parent.to_le_bytes());
-    h.write(&fingerprint.to_le_bytes());
-    for t in tokens {
-        h.write(&t.to_le_bytes());
-    }
-    h.finish()
-}
 
 /// What a cached block holds, to tell a true hit from a hash collision.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,6 +36,8 @@ pub(crate) struct Blocks {
     clock: u64,
     prefix_cache: bool,
     pub evictions: u64,
+    /// Bumped whenever the set of cached blocks changes.
+    pub version: u64,
 }
 
 /// Blocks by state.
@@ -73,6 +61,7 @@ impl Blocks {
             clock: 0,
             prefix_cache,
             evictions: 0,
+            version: 0,
         }
     }
 
@@ -111,6 +100,7 @@ impl Blocks {
         let (_, b) = self.lru.pop_first()?;
         if let Some(c) = self.meta[b as usize].cached.take() {
             self.by_hash.remove(&c.hash);
+            self.version += 1;
         }
         self.evictions += 1;
         Some(b)
@@ -182,6 +172,20 @@ impl Blocks {
             tokens: tokens.into(),
         });
         self.by_hash.insert(hash, b);
+        self.version += 1;
+    }
+
+    /// The hashes of the cached blocks: those held by sequences first, then
+    /// the reclaimable ones, most recently used first.
+    pub fn cached_hashes(&self) -> Vec<u64> {
+        let hash = |b: &BlockId| self.meta[*b as usize].cached.as_ref().map(|c| c.hash);
+        let held = self
+            .by_hash
+            .values()
+            .filter(|b| self.meta[**b as usize].refs > 0);
+        held.filter_map(hash)
+            .chain(self.lru.values().rev().filter_map(hash))
+            .collect()
     }
 }
 
@@ -195,7 +199,14 @@ mod tests {
         let got = b.allocate(3).unwrap();
         assert_eq!(got, vec![0, 1, 2]);
         assert!(b.allocate(2).is_none(), "all or none");
-        assert_eq!(b.counts(), BlockCounts { used: 3, cached: 0, free: 1 });
+        assert_eq!(
+            b.counts(),
+            BlockCounts {
+                used: 3,
+                cached: 0,
+                free: 1
+            }
+        );
         got.iter().for_each(|&x| b.release(x));
         assert_eq!(b.counts().free, 4);
     }
@@ -210,7 +221,14 @@ mod tests {
         }
         b.release(blocks[1]);
         b.release(blocks[0]);
-        assert_eq!(b.counts(), BlockCounts { used: 1, cached: 2, free: 0 });
+        assert_eq!(
+            b.counts(),
+            BlockCounts {
+                used: 1,
+                cached: 2,
+                free: 0
+            }
+        );
         // A hit takes the block back from the LRU.
         assert_eq!(b.lookup(100, 0, &[0]), Some(blocks[0]));
         assert_eq!(b.lookup(100, 0, &[9]), None, "the tokens must match");
@@ -219,6 +237,9 @@ mod tests {
         assert_eq!(b.allocate(1), Some(vec![blocks[1]]));
         assert_eq!(b.evictions, 1);
         assert_eq!(b.lookup(101, 0, &[1]), None);
+        // Held blocks first, then the reclaimable ones, newest first.
+        b.release(blocks[0]);
+        assert_eq!(b.cached_hashes(), vec![102, 100]);
     }
 
     #[test]
@@ -230,14 +251,5 @@ mod tests {
         b.release(x);
         assert_eq!(b.lookup(7, 0, &[1]), None);
         assert_eq!(b.counts().free, 2);
-    }
-
-    #[test]
-    fn the_chain_hash_depends_on_parent_tokens_and_model() {
-        let h = chain_hash(0, &[1, 2], 9);
-        assert_ne!(h, chain_hash(1, &[1, 2], 9));
-        assert_ne!(h, chain_hash(0, &[2, 1], 9));
-        assert_ne!(h, chain_hash(0, &[1, 2], 8));
-        assert_eq!(h, chain_hash(0, &[1, 2], 9));
     }
 }

@@ -164,4 +164,3 @@ pub(super) fn read_values(bytes: &[u8], dtype: KvDtype) -> Vec<f32> {
         }
     }
 }
-

@@ -24,7 +24,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub use blocks::BlockCounts;
 pub use seq::SeqKv;
 
-use blocks::{chain_hash, Blocks};
+use blocks::Blocks;
+use pdserve_protocol::internal::KvReport;
+use pdserve_protocol::prefix::{block_hash, PrefixDigest};
 pub(crate) use store::Half;
 use store::Store;
 
@@ -169,6 +171,8 @@ struct PoolInner {
     sequences: AtomicUsize,
     queried: AtomicU64,
     hits: AtomicU64,
+    /// The last digest built, with the cache version it describes.
+    digest: Mutex<Option<(u64, PrefixDigest)>>,
 }
 
 impl PoolInner {
@@ -187,7 +191,7 @@ impl PoolInner {
     }
 
     fn hash(&self, parent: u64, tokens: &[u32]) -> u64 {
-        chain_hash(parent, tokens, self.cfg.fingerprint)
+        block_hash(parent, tokens, self.cfg.fingerprint)
     }
 }
 
@@ -223,6 +227,7 @@ impl KvPool {
             sequences: AtomicUsize::new(0),
             queried: AtomicU64::new(0),
             hits: AtomicU64::new(0),
+            digest: Mutex::new(None),
         };
         Self {
             inner: Arc::new(inner),
@@ -277,6 +282,41 @@ impl KvPool {
             sequences: self.inner.sequences.load(Ordering::Relaxed),
             block_tokens: b,
             blocks,
+        }
+    }
+
+    /// What the prefix cache holds, for KV-aware routing; `None` when the
+    /// cache is off. Rebuilt only when the cached blocks changed.
+    pub fn prefix_digest(&self) -> Option<PrefixDigest> {
+        if !self.inner.cfg.prefix_cache {
+            return None;
+        }
+        let mut last = self.inner.digest.lock().unwrap_or_else(|p| p.into_inner());
+        let (version, hashes) = {
+            let blocks = self.inner.blocks();
+            match &*last {
+                Some((v, d)) if *v == blocks.version => return Some(d.clone()),
+                _ => (blocks.version, blocks.cached_hashes()),
+            }
+        };
+        let cfg = self.inner.cfg;
+        let digest = PrefixDigest::new(cfg.block_tokens as u32, cfg.fingerprint, hashes);
+        *last = Some((version, digest.clone()));
+        Some(digest)
+    }
+
+    /// The pool's state as the worker layer reports it.
+    pub fn report(&self) -> KvReport {
+        let (u, p) = (self.usage(), self.prefix_stats());
+        KvReport {
+            used_tokens: u.reserved_tokens as u64,
+            capacity_tokens: u.budget_tokens as u64,
+            blocks_used: u.blocks.used as u64,
+            blocks_cached: u.blocks.cached as u64,
+            blocks_free: u.blocks.free as u64,
+            prefix_queried_tokens: p.queried_tokens,
+            prefix_hit_tokens: p.hit_tokens,
+            evictions: p.evictions,
         }
     }
 

@@ -84,7 +84,9 @@ impl SeqKv {
     /// Grows the capacity to `total` tokens, taking blocks from the pool
     /// (all or none): [`KvError::Exhausted`] when it has too few.
     pub fn reserve_to(&mut self, total: usize) -> Result<(), KvError> {
-        let need = total.div_ceil(self.block_tokens()).saturating_sub(self.blocks.len());
+        let need = total
+            .div_ceil(self.block_tokens())
+            .saturating_sub(self.blocks.len());
         if need > 0 {
             let mut blocks = self.pool.blocks();
             match blocks.allocate(need) {
@@ -120,13 +122,18 @@ impl SeqKv {
                 parent = hash;
             }
             // The reserved blocks the cached ones replace go back.
-            for old in self.blocks.splice(0..taken.len().min(self.blocks.len()), []) {
+            for old in self
+                .blocks
+                .splice(0..taken.len().min(self.blocks.len()), [])
+            {
                 blocks.release(old);
             }
         }
         let n = taken.len() * b;
         self.blocks.splice(0..0, taken);
-        self.pool.queried.fetch_add(prompt.len() as u64, Ordering::Relaxed);
+        self.pool
+            .queried
+            .fetch_add(prompt.len() as u64, Ordering::Relaxed);
         self.pool.hits.fetch_add(n as u64, Ordering::Relaxed);
         self.tokens.extend_from_slice(&prompt[..n]);
         self.layer_len.iter_mut().for_each(|l| *l = n);

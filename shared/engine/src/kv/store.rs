@@ -60,7 +60,10 @@ impl Store {
     }
 
     fn offset(&self, layer: usize, half: Half, block: BlockId) -> usize {
-        assert!((block as usize) < self.n_blocks, "block {block} out of range");
+        assert!(
+            (block as usize) < self.n_blocks,
+            "block {block} out of range"
+        );
         let region = self.n_blocks * self.block_floats + REGION_PAD;
         (layer * 2 + half as usize) * region + block as usize * self.block_floats
     }

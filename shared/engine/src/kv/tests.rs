@@ -76,7 +76,10 @@ fn the_budget_is_counted_in_blocks_and_returned_on_drop() {
         }
     );
     let u = pool.usage();
-    assert_eq!((u.reserved_tokens, u.sequences, u.free_tokens()), (24, 1, 16));
+    assert_eq!(
+        (u.reserved_tokens, u.sequences, u.free_tokens()),
+        (24, 1, 16)
+    );
     drop(a);
     assert_eq!(pool.usage().reserved_tokens, 0);
     assert_eq!(pool.usage().sequences, 0);
@@ -95,7 +98,10 @@ fn a_sequence_grows_a_block_at_a_time() {
     assert_eq!(s.tokens(), &[1, 2, 3, 4, 5]);
     assert!(matches!(
         s.ensure_room(1),
-        Err(KvError::CapacityExceeded { needed: 6, capacity: 5 })
+        Err(KvError::CapacityExceeded {
+            needed: 6,
+            capacity: 5
+        })
     ));
 }
 
@@ -246,8 +252,33 @@ fn an_import_may_continue_an_attached_prefix() {
         dst.import_rows(l, KvDtype::F32, 8, 2, &k[tail.clone()], &v[tail])
             .unwrap();
     }
-    assert!(dst.finish_import(&[5; 10]).is_err(), "the prefix must match");
+    assert!(
+        dst.finish_import(&[5; 10]).is_err(),
+        "the prefix must match"
+    );
     for l in 0..2 {
         assert_eq!(dst.layer_len(l), 8, "a failed finish rolls back");
     }
+}
+
+#[test]
+fn the_digest_lists_what_a_new_sequence_would_find() {
+    use pdserve_protocol::prefix::block_hashes;
+    let pool = pool(64, 4, true);
+    let prompt: Vec<u32> = (0..11).collect();
+    let empty = pool.prefix_digest().unwrap();
+    assert!(empty.is_empty());
+    let s = filled(&pool, 11);
+    let set = pool.prefix_digest().unwrap().parse().unwrap();
+    assert_eq!((set.block_tokens, set.seed), (4, 7));
+    let hashes = block_hashes(&prompt[..10], 4, 7);
+    assert_eq!(set.leading_blocks(&hashes) * 4, pool.cached_prefix(&prompt));
+    drop(s);
+    drop(pool.allocate(64).unwrap());
+    assert!(
+        pool.prefix_digest().unwrap().is_empty(),
+        "evicted blocks leave the digest"
+    );
+    let off = super::KvPool::new(layout(), 64);
+    assert!(off.prefix_digest().is_none());
 }

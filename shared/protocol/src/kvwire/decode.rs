@@ -57,6 +57,7 @@ impl Progress {
         Ok(Self {
             n_layers: header.n_layers,
             n_tokens: header.n_tokens,
+            tokens_done: header.start_token,
             token_bytes,
             layer_next: header.n_layers,
             ..Self::default()

@@ -52,6 +52,7 @@ pub fn encode_header(header: &KvHeader) -> Result<Vec<u8>, KvWireError> {
         header.n_kv_heads,
         header.head_dim,
         header.n_tokens,
+        header.start_token,
     ] {
         w.put(&dim.to_le_bytes());
     }

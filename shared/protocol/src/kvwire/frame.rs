@@ -11,7 +11,7 @@ pub(crate) const TAG_LEN: usize = 4;
 /// Header tag, version, flags and body_len.
 pub(crate) const HEADER_PREFIX_LEN: usize = 12;
 /// Header body after the request id: fingerprint, dtype, 4 dims, seed.
-pub(crate) const HEADER_BODY_FIXED: usize = 8 + 1 + 4 * 4 + 8;
+pub(crate) const HEADER_BODY_FIXED: usize = 8 + 1 + 5 * 4 + 8;
 /// Smallest header body (1-byte request id).
 pub(crate) const MIN_HEADER_BODY: usize = 2 + 1 + HEADER_BODY_FIXED;
 /// Largest header body (128-byte request id).
@@ -172,6 +172,7 @@ pub(crate) fn parse_header(bytes: &[u8]) -> Result<KvHeader, KvWireError> {
         n_kv_heads: body.u32()?,
         head_dim: body.u32()?,
         n_tokens: body.u32()?,
+        start_token: body.u32()?,
         seed: body.u64()?,
     })
 }

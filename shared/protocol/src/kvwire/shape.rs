@@ -14,8 +14,15 @@ pub struct KvShape {
 }
 
 impl KvShape {
-    /// The header of a KV stream of `n_tokens` tokens.
-    pub fn header(&self, request_id: &str, n_tokens: u32, seed: u64, dtype: KvDtype) -> KvHeader {
+    /// The header of a KV stream of the tokens `start_token..n_tokens` of a
+    /// sequence.
+    pub fn header(
+        &self,
+        request_id: &str,
+        (start_token, n_tokens): (u32, u32),
+        seed: u64,
+        dtype: KvDtype,
+    ) -> KvHeader {
         KvHeader {
             request_id: request_id.to_string(),
             model_fingerprint: self.fingerprint,
@@ -24,12 +31,14 @@ impl KvShape {
             n_kv_heads: self.n_kv_heads,
             head_dim: self.head_dim,
             n_tokens,
+            start_token,
             seed,
         }
     }
 
-    /// What a reservation for a prompt of `n_tokens` accepts.
-    pub fn expected(&self, request_id: &str, n_tokens: u32) -> ExpectedKv {
+    /// What a reservation for a prompt of `n_tokens`, holding its first
+    /// `start_token` already, accepts.
+    pub fn expected(&self, request_id: &str, (start_token, n_tokens): (u32, u32)) -> ExpectedKv {
         ExpectedKv {
             request_id: request_id.to_string(),
             model_fingerprint: self.fingerprint,
@@ -37,6 +46,7 @@ impl KvShape {
             n_kv_heads: self.n_kv_heads,
             head_dim: self.head_dim,
             max_tokens: n_tokens,
+            start_token,
         }
     }
 }

@@ -69,8 +69,11 @@ pub struct KvHeader {
     pub n_kv_heads: u32,
     /// Dimension of one head.
     pub head_dim: u32,
-    /// Number of prompt tokens whose KV the stream carries (at least 1).
+    /// Number of prompt tokens of the sequence (at least 1).
     pub n_tokens: u32,
+    /// Leading tokens the receiver already holds (its prefix cache): the
+    /// stream carries the KV of tokens `start_token..n_tokens` only.
+    pub start_token: u32,
     /// Sampling seed of the request.
     pub seed: u64,
 }
@@ -211,4 +214,6 @@ pub struct ExpectedKv {
     pub head_dim: u32,
     /// Most prompt tokens the reservation has room for.
     pub max_tokens: u32,
+    /// Leading tokens the reservation already holds: the stream must start there.
+    pub start_token: u32,
 }

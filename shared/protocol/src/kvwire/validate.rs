@@ -28,6 +28,13 @@ impl KvHeader {
         let smallest = self.layer_payload_len(1, 1).ok_or_else(|| {
             KvWireError::invalid("n_kv_heads * head_dim", "K/V size overflows u64")
         })?;
+        if self.start_token > self.n_tokens {
+            return Err(KvWireError::limit(
+                "start_token",
+                self.start_token,
+                self.n_tokens,
+            ));
+        }
         if smallest > limits.max_frame_bytes {
             return Err(KvWireError::limit(
                 "payload_len of a 1-layer 1-token frame",
@@ -81,6 +88,7 @@ pub fn validate_against(header: &KvHeader, expected: &ExpectedKv) -> Result<(), 
         ));
     }
     let dims = [
+        ("start_token", expected.start_token, header.start_token),
         ("n_layers", expected.n_layers, header.n_layers),
         ("n_kv_heads", expected.n_kv_heads, header.n_kv_heads),
         ("head_dim", expected.head_dim, header.head_dim),

@@ -32,6 +32,7 @@ pub fn header(dtype: KvDtype, n_layers: u32, heads: u32, head_dim: u32, n_tokens
         n_kv_heads: heads,
         head_dim,
         n_tokens,
+        start_token: 0,
         seed: 42,
     }
 }
@@ -179,9 +180,9 @@ pub fn reseal(frame: &mut [u8]) {
 /// A header frame written field by field (for fields the encoder refuses).
 pub fn raw_header(id: &[u8], dtype: u8, dims: [u32; 4]) -> Vec<u8> {
     let mut f = b"PDKV".to_vec();
-    f.extend(1u16.to_le_bytes());
+    f.extend(2u16.to_le_bytes());
     f.extend(0u16.to_le_bytes());
-    f.extend((2 + id.len() as u32 + 33).to_le_bytes());
+    f.extend((2 + id.len() as u32 + 37).to_le_bytes());
     f.extend((id.len() as u16).to_le_bytes());
     f.extend(id);
     f.extend(7u64.to_le_bytes());
@@ -189,6 +190,7 @@ pub fn raw_header(id: &[u8], dtype: u8, dims: [u32; 4]) -> Vec<u8> {
     for d in dims {
         f.extend(d.to_le_bytes());
     }
+    f.extend(0u32.to_le_bytes()); // start_token
     f.extend(9u64.to_le_bytes());
     f.extend([0; 4]);
     reseal(&mut f);

@@ -22,10 +22,11 @@ pub(super) async fn generate<B: DecodeBackend>(
     let req = json_body(body)?;
     server.readiness.admit()?;
     crate::validate::generate(server.backend.config(), &req)?;
-    let reuse = matches!(req.kv_source, KvSource::Local);
+    // Local or remote, the reservation takes what the prefix cache holds:
+    // a prefill worker then sends only the rest (`cached_tokens`).
     let kv = server
         .backend
-        .reserve(&req.prompt_tokens, req.sampling.max_tokens, reuse)?;
+        .reserve(&req.prompt_tokens, req.sampling.max_tokens)?;
     let (tx, rx) = mpsc::unbounded_channel();
     let waiting = match req.kv_source {
         KvSource::Local => {

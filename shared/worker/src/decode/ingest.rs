@@ -74,7 +74,11 @@ async fn receive<B: DecodeBackend>(
     body: Body,
 ) -> Result<(Sampled, u64), ErrorBody> {
     let n_tokens = pending.prompt.len();
-    let expected = backend.kv_shape().expected(request_id, n_tokens as u32);
+    // The stream carries only what the reservation does not hold already.
+    let held = pending.kv.cached() as u32;
+    let expected = backend
+        .kv_shape()
+        .expected(request_id, (held, n_tokens as u32));
     let mut decoder = KvStreamDecoder::new(KvLimits::default());
     let mut stream = body.into_data_stream();
     let (mut bytes, mut dtype) = (0u64, KvDtype::F32);

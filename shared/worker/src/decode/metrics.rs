@@ -3,7 +3,7 @@
 use pdserve_runtime::metrics::{self as m, labels};
 use prometheus::{Gauge, Histogram, IntCounter, IntCounterVec, IntGaugeVec, Registry};
 
-use crate::kv::KvReport;
+use crate::kv::{KvMetrics, KvReport};
 use crate::queue::EngineStats;
 
 /// Every series a decode worker exports, real or mock.
@@ -25,13 +25,8 @@ pub struct DecodeMetrics {
     pub mbu: Gauge,
     pub kv_transfer_bytes: IntCounter,
     pub kv_transfer_seconds: Histogram,
-    /// Blocks by state: used, cached (reclaimable), free.
-    pub kv_blocks: IntGaugeVec,
-    /// Prompt tokens looked up in the prefix cache, and found (counted
-    /// from the pool's own totals at each scrape).
-    pub prefix_queries: IntCounter,
-    pub prefix_hits: IntCounter,
-    pub evictions: IntCounter,
+    /// Blocks, prefix-cache lookups and evictions.
+    pub cache: KvMetrics,
     /// Sequences taken out of the batch to free KV, to be recomputed.
     pub preemptions: IntCounter,
 }
@@ -56,10 +51,7 @@ impl DecodeMetrics {
             mbu: m::gauge(&r, m::MODEL_BANDWIDTH_UTILIZATION, "Estimated share of peak memory bandwidth the last decode step used (weights plus KV read)."),
             kv_transfer_bytes: m::counter(&r, m::KV_TRANSFER_BYTES_TOTAL, "KV bytes received from prefill workers."),
             kv_transfer_seconds: m::histogram(&r, m::KV_TRANSFER_SECONDS, "Time to receive one sequence's KV.", m::STEP_BUCKETS),
-            kv_blocks: m::int_gauge_vec(&r, m::KV_CACHE_BLOCKS, "KV blocks by state: used (held by sequences), cached (reclaimable), free.", &["state"]),
-            prefix_queries: m::counter(&r, m::PREFIX_CACHE_QUERIES_TOTAL, "Prompt tokens looked up in the prefix cache."),
-            prefix_hits: m::counter(&r, m::PREFIX_CACHE_HITS_TOTAL, "Prompt tokens found in the prefix cache (not computed)."),
-            evictions: m::counter(&r, m::KV_CACHE_EVICTIONS_TOTAL, "Cached KV blocks reclaimed for new work."),
+            cache: KvMetrics::new(&r),
             preemptions: m::counter(&r, m::PREEMPTIONS_TOTAL, "Sequences taken out of the batch when the KV ran out, to be recomputed."),
             registry: r,
         }
@@ -76,20 +68,7 @@ impl DecodeMetrics {
         self.kv_capacity_tokens.set(r.capacity_tokens as f64);
         self.kv_usage_ratio
             .set(r.used_tokens as f64 / r.capacity_tokens.max(1) as f64);
-        for (state, n) in [
-            (labels::KV_BLOCKS_USED, r.blocks_used),
-            (labels::KV_BLOCKS_CACHED, r.blocks_cached),
-            (labels::KV_BLOCKS_FREE, r.blocks_free),
-        ] {
-            self.kv_blocks.with_label_values(&[state]).set(n as i64);
-        }
-        for (c, total) in [
-            (&self.prefix_queries, r.prefix_queried_tokens),
-            (&self.prefix_hits, r.prefix_hit_tokens),
-            (&self.evictions, r.evictions),
-        ] {
-            c.inc_by(total.saturating_sub(c.get()));
-        }
+        self.cache.publish(r);
     }
 
     /// Records one sequence's KV received in `secs`.

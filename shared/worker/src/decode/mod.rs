@@ -24,6 +24,7 @@ use axum::routing::post;
 use axum::Router;
 use pdserve_protocol::internal::{ErrorBody, GenerateEvent, LoadReport, Pool, SamplingSpec};
 use pdserve_protocol::kvwire::{KvDtype, KvShape};
+use pdserve_protocol::prefix::PrefixDigest;
 use pdserve_text::{ModelConfig, Sampled};
 use tokio::sync::mpsc;
 
@@ -74,16 +75,18 @@ pub trait DecodeBackend: Send + Sync + 'static {
     /// What an incoming KV stream must match.
     fn kv_shape(&self) -> KvShape;
     /// Reserves KV for `prompt`, which will generate up to `max_tokens`:
-    /// at least the prompt's blocks now. Too little free KV now is retryable,
-    /// more than the whole budget fatal. With `reuse`, the reservation takes
-    /// what the prefix cache holds of the prompt ([`KvImport::cached`]).
-    fn reserve(&self, prompt: &[u32], max_tokens: u32, reuse: bool) -> Result<Self::Kv, ErrorBody>;
+    /// at least the prompt's blocks now, taking what the prefix cache holds
+    /// of it ([`KvImport::cached`]). Too little free KV now is retryable,
+    /// more than the whole budget fatal.
+    fn reserve(&self, prompt: &[u32], max_tokens: u32) -> Result<Self::Kv, ErrorBody>;
     /// Queues a sequence without waiting; a full queue is retryable.
     fn submit(&self, job: DecodeJob<Self::Kv>) -> Result<(), ErrorBody>;
     /// The engine's load: queued and running sequences, recent throughput.
     fn stats(&self) -> &EngineStats;
     /// The KV cache's state.
     fn kv_usage(&self) -> KvReport;
+    /// The blocks the prefix cache holds; `None` when it is off.
+    fn prefix_digest(&self) -> Option<PrefixDigest>;
 }
 
 /// Rows of one layer's K and V, as a KV frame carries them.
@@ -186,6 +189,7 @@ impl<B: DecodeBackend> Served for DecodeServer<B> {
         LoadReport {
             kv_used_tokens: kv.used_tokens,
             kv_free_tokens: kv.free_tokens(),
+            prefix_cache: self.backend.prefix_digest(),
             ..self.backend.stats().report(self.readiness.is_ready())
         }
     }

@@ -3,6 +3,7 @@
 use pdserve_runtime::metrics::{self as m, labels};
 use prometheus::{Gauge, Histogram, IntCounter, IntCounterVec, IntGaugeVec, Registry};
 
+use crate::kv::KvMetrics;
 use crate::queue::EngineStats;
 
 /// Every series a prefill worker exports, real or mock.
@@ -19,6 +20,8 @@ pub struct PrefillMetrics {
     /// Matmul FLOP/s of the last batch over the peak (a mock computes nothing: 0).
     pub mfu: Gauge,
     pub transfer_tail_seconds: Histogram,
+    /// Blocks, prefix-cache lookups and evictions.
+    pub cache: KvMetrics,
 }
 
 impl PrefillMetrics {
@@ -36,6 +39,7 @@ impl PrefillMetrics {
             requests: m::counter_vec(&r, m::REQUESTS_TOTAL, "Prefill jobs finished, by status.", &["status"]),
             mfu: m::gauge(&r, m::MODEL_FLOPS_UTILIZATION, "Estimated share of peak FLOP/s the last prompt used (matmuls only)."),
             transfer_tail_seconds: m::histogram(&r, m::KV_TRANSFER_TAIL_SECONDS, "KV transfer time left after the prompt's compute ended (transfer not hidden by compute).", m::STEP_BUCKETS),
+            cache: KvMetrics::new(&r),
             registry: r,
         }
     }

@@ -20,6 +20,7 @@ use axum::routing::{delete, post};
 use axum::Router;
 use bytes::Bytes;
 use pdserve_protocol::internal::{ErrorBody, ErrorKind, LoadReport, Pool, PrefillJob};
+use pdserve_protocol::prefix::PrefixDigest;
 use pdserve_text::ModelConfig;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -27,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use metrics::PrefillMetrics;
 
+use crate::kv::KvReport;
 use crate::queue::EngineStats;
 use crate::readiness::Readiness;
 use crate::server::{common_routes, Served, Service};
@@ -39,6 +41,11 @@ pub trait PrefillBackend: Send + Sync + 'static {
     fn submit(&self, task: PrefillTask) -> Result<(), ErrorBody>;
     /// The engine's load: queued and running jobs, recent throughput.
     fn stats(&self) -> &EngineStats;
+    /// The KV cache's state (the working set of the running batch and the
+    /// prefix cache).
+    fn kv_usage(&self) -> KvReport;
+    /// The blocks the prefix cache holds; `None` when it is off.
+    fn prefix_digest(&self) -> Option<PrefixDigest>;
 }
 
 /// A job handed to a backend.
@@ -129,7 +136,13 @@ impl<B: PrefillBackend> Served for PrefillServer<B> {
 
     /// The load report the router balances and scales on.
     fn load_report(&self) -> LoadReport {
-        self.backend.stats().report(self.readiness.is_ready())
+        let kv = self.backend.kv_usage();
+        LoadReport {
+            kv_used_tokens: kv.used_tokens,
+            kv_free_tokens: kv.free_tokens(),
+            prefix_cache: self.backend.prefix_digest(),
+            ..self.backend.stats().report(self.readiness.is_ready())
+        }
     }
 
     fn readiness(&self) -> &Readiness {
@@ -142,6 +155,7 @@ impl<B: PrefillBackend> Served for PrefillServer<B> {
     }
 
     fn metrics_page(&self) -> axum::response::Response {
+        self.metrics.cache.publish(&self.backend.kv_usage());
         crate::http::metrics_page(&self.metrics.registry)
     }
 }
