@@ -26,12 +26,8 @@ fn kv_transfers(page: &str) -> f64 {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn aggregated_and_disaggregated_give_the_same_tokens() {
-    if !workers_built() {
-        return;
-    }
-    let model = TinyModel::new();
+/// A prefill and a decode worker process on `model`.
+async fn worker_pair(model: &TinyModel) -> (WorkerProcess, WorkerProcess) {
     let exe = |name: &str| {
         workspace_binary(name)
             .unwrap()
@@ -41,6 +37,16 @@ async fn aggregated_and_disaggregated_give_the_same_tokens() {
     };
     let prefill = WorkerProcess::worker(&exe("pdserve-prefill"), &model.path, 5).await;
     let decode = WorkerProcess::worker(&exe("pdserve-decode"), &model.path, 5).await;
+    (prefill, decode)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregated_and_disaggregated_give_the_same_tokens() {
+    if !workers_built() {
+        return;
+    }
+    let model = TinyModel::new();
+    let (prefill, decode) = worker_pair(&model).await;
     let (prefills, decodes) = ([prefill.url.clone()], [decode.url.clone()]);
     let mode = |m: &'static str| ["--mode", m];
     let (dis, _) = router(model.arg(), &prefills, &decodes, &mode("disaggregated")).await;
@@ -98,15 +104,7 @@ async fn n_choices_prefill_their_prompt_once() {
         return;
     }
     let model = TinyModel::new();
-    let exe = |name: &str| {
-        workspace_binary(name)
-            .unwrap()
-            .to_str()
-            .unwrap()
-            .to_string()
-    };
-    let prefill = WorkerProcess::worker(&exe("pdserve-prefill"), &model.path, 5).await;
-    let decode = WorkerProcess::worker(&exe("pdserve-decode"), &model.path, 5).await;
+    let (prefill, decode) = worker_pair(&model).await;
     let (prefills, decodes) = ([prefill.url.clone()], [decode.url.clone()]);
     let (url, _) = router(
         model.arg(),

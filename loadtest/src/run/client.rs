@@ -30,13 +30,18 @@ pub struct Target {
 
 impl Target {
     fn body(&self, item: &Item) -> Value {
-        let mut body = match self.endpoint {
+        let input = match self.endpoint {
             Endpoint::Chat => json!({"messages": [{"role": "user", "content": item.prompt}]}),
             Endpoint::Completions => json!({"prompt": item.prompt}),
         };
+        self.body_with(input, item.max_tokens)
+    }
+
+    /// A request body of `input` (`messages` or `prompt`) and this target's settings.
+    fn body_with(&self, mut body: Value, max_tokens: u32) -> Value {
         let extra = json!({
             "model": self.model,
-            "max_tokens": item.max_tokens,
+            "max_tokens": max_tokens,
             "temperature": 0,
             "stream": self.stream,
         });
@@ -87,8 +92,42 @@ fn chunk_text(v: &Value) -> Option<&str> {
 
 /// Sends `item`, returning its record (never an `Err`: failures are classified).
 pub async fn send(client: &reqwest::Client, target: &Target, item: &Item) -> Record {
+    send_body(client, target, &target.body(item)).await.0
+}
+
+/// Plays `item`'s conversation: each turn sends the whole history, the
+/// server's earlier answers included, as a chat client does. Returns each
+/// turn's start and record; a failed turn ends the conversation.
+pub async fn converse(
+    client: &reqwest::Client,
+    target: &Target,
+    item: &Item,
+) -> Vec<(Instant, Record)> {
+    let mut messages = Vec::new();
+    if let Some(system) = &item.system {
+        messages.push(json!({"role": "system", "content": system}));
+    }
+    let mut out = Vec::with_capacity(item.turns.len());
+    for user in &item.turns {
+        messages.push(json!({"role": "user", "content": user}));
+        let body = target.body_with(json!({"messages": messages}), item.max_tokens);
+        let started = Instant::now();
+        let (rec, answer) = send_body(client, target, &body).await;
+        let failed = rec.error.is_some();
+        out.push((started, rec));
+        if failed {
+            break;
+        }
+        messages.push(json!({"role": "assistant", "content": answer}));
+    }
+    out
+}
+
+/// Sends one request body; returns its record and the first choice's text.
+async fn send_body(client: &reqwest::Client, target: &Target, body: &Value) -> (Record, String) {
     let started = Instant::now();
     let mut rec = Record::default();
+    let mut text = String::new();
     let mut req = client
         .post(format!(
             "{}{}",
@@ -96,19 +135,19 @@ pub async fn send(client: &reqwest::Client, target: &Target, item: &Item) -> Rec
             target.path()
         ))
         .timeout(target.timeout)
-        .json(&target.body(item));
+        .json(body);
     if let Some(key) = &target.api_key {
         req = req.bearer_auth(key);
     }
     let result = match req.send().await {
         Err(e) => Err(class_of_error(&e)),
         Ok(r) if !r.status().is_success() => Err(class_of_status(r.status())),
-        Ok(r) if target.stream => read_stream(r, started, &mut rec).await,
-        Ok(r) => read_whole(r, started, &mut rec).await,
+        Ok(r) if target.stream => read_stream(r, started, &mut rec, &mut text).await,
+        Ok(r) => read_whole(r, started, &mut rec, &mut text).await,
     };
     rec.e2e = started.elapsed().as_secs_f64();
     rec.error = result.err();
-    rec
+    (rec, text)
 }
 
 fn take_usage(v: &Value, rec: &mut Record) {
@@ -122,12 +161,16 @@ async fn read_whole(
     r: reqwest::Response,
     started: Instant,
     rec: &mut Record,
+    text: &mut String,
 ) -> Result<(), String> {
     let v: Value = r.json().await.map_err(|_| "protocol".to_string())?;
     rec.ttft = Some(started.elapsed().as_secs_f64());
     take_usage(&v, rec);
     match chunk_text(&v) {
-        Some(_) => Ok(()),
+        Some(t) => {
+            text.push_str(t);
+            Ok(())
+        }
         None => Err("protocol".into()),
     }
 }
@@ -136,6 +179,7 @@ async fn read_stream(
     r: reqwest::Response,
     started: Instant,
     rec: &mut Record,
+    text: &mut String,
 ) -> Result<(), String> {
     let mut body = r.bytes_stream();
     let mut buf: Vec<u8> = Vec::new();
@@ -159,7 +203,8 @@ async fn read_stream(
                 return Err("stream_error".into());
             }
             take_usage(&v, rec);
-            if chunk_text(&v).is_some_and(|t| !t.is_empty()) {
+            if let Some(t) = chunk_text(&v).filter(|t| !t.is_empty()) {
+                text.push_str(t);
                 let now = Instant::now();
                 match last.replace(now) {
                     None => rec.ttft = Some(now.duration_since(started).as_secs_f64()),

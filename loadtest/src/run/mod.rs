@@ -159,6 +159,9 @@ impl RunArgs {
         if self.compare_slice <= 0.0 || self.timeout <= 0.0 {
             bail!("--compare-slice and --timeout must be positive");
         }
+        if self.workload.workload == workload::Kind::Chat && self.endpoint != Endpoint::Chat {
+            bail!("--workload chat needs --endpoint chat");
+        }
         Ok(())
     }
 

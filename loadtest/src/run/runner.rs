@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use super::client::{send, Target};
+use super::client::{converse, send, Target};
 use super::stats::Record;
 use super::workload::Item;
 
@@ -94,17 +94,26 @@ impl Shared {
         }
     }
 
-    /// Sends the slice's item `i` and records the outcome.
+    /// Sends the slice's item `i` (every turn of a conversation) and
+    /// records the outcome.
     async fn one(&self, i: usize) {
-        let started = Instant::now();
         let s = &self.slice;
-        let mut rec = send(&self.client, &s.target, &s.items()[i]).await;
-        rec.target = s.target_index;
-        rec.slice = s.index;
-        rec.item = s.first_item + i;
-        rec.start = started.duration_since(self.run_start).as_secs_f64();
-        rec.warmup = started.duration_since(self.slice_start) < s.warmup;
-        self.push(rec);
+        let item = &s.items()[i];
+        let sent = match item.turns.is_empty() {
+            true => {
+                let started = Instant::now();
+                vec![(started, send(&self.client, &s.target, item).await)]
+            }
+            false => converse(&self.client, &s.target, item).await,
+        };
+        for (started, mut rec) in sent {
+            rec.target = s.target_index;
+            rec.slice = s.index;
+            rec.item = s.first_item + i;
+            rec.start = started.duration_since(self.run_start).as_secs_f64();
+            rec.warmup = started.duration_since(self.slice_start) < s.warmup;
+            self.push(rec);
+        }
     }
 
     /// The record of item `i`, refused at `when` because too many were in flight.

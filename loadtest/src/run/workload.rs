@@ -20,6 +20,12 @@ pub struct Item {
     /// Words in the prompt (≈ tokens).
     pub prompt_words: usize,
     pub max_tokens: u32,
+    /// `chat`: the system message of the conversation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system: Option<String>,
+    /// `chat`: the user's message of every turn (the first is `prompt`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub turns: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -37,6 +43,13 @@ pub enum Kind {
     Mixed,
     /// Every prompt starts with the same `--prefix-len` words.
     SharedPrefix,
+    /// Multi-turn chat: each item is a conversation of `--turns` turns,
+    /// each a user message of `--input-len` words answered in
+    /// `--output-len` tokens, and each turn resends the whole history (the
+    /// answers included). A system message of `--prefix-len` words, the
+    /// same for every conversation, opens each one (0 for none). Needs the
+    /// chat endpoint; every turn is one request in the report.
+    Chat,
     /// Prompts and output lengths from `--workload-file` (JSONL of
     /// `{"prompt": "...", "max_tokens": N}`).
     File,
@@ -69,6 +82,9 @@ pub struct WorkloadArgs {
     /// `shared-prefix`: words shared by every prompt.
     #[arg(long, env = "PDSERVE_LOADTEST_PREFIX_LEN", default_value_t = 256)]
     pub prefix_len: usize,
+    /// `chat`: turns per conversation.
+    #[arg(long, env = "PDSERVE_LOADTEST_TURNS", default_value_t = 4)]
+    pub turns: usize,
     /// `file`: a JSONL workload.
     #[arg(long, env = "PDSERVE_LOADTEST_WORKLOAD_FILE")]
     pub workload_file: Option<PathBuf>,
@@ -123,7 +139,9 @@ pub fn build(args: &WorkloadArgs, n: usize) -> anyhow::Result<Vec<Item>> {
     let mut items = Vec::with_capacity(n);
     for _ in 0..n {
         let (words, max_tokens) = match args.workload {
-            Kind::Fixed | Kind::SharedPrefix => (args.input_len, args.output_len as u64),
+            Kind::Fixed | Kind::SharedPrefix | Kind::Chat => {
+                (args.input_len, args.output_len as u64)
+            }
             Kind::Uniform => (
                 rng.random_range(input.0..=input.1) as usize,
                 rng.random_range(output.0..=output.1),
@@ -143,10 +161,20 @@ pub fn build(args: &WorkloadArgs, n: usize) -> anyhow::Result<Vec<Item>> {
             Kind::SharedPrefix => (format!("{prefix} {body}"), args.prefix_len + words),
             _ => (body, words),
         };
+        let (system, turns) = match args.workload {
+            Kind::Chat => {
+                let rest = (1..args.turns.max(1)).map(|_| text(&mut rng, words.max(1)));
+                let turns = std::iter::once(prompt.clone()).chain(rest).collect();
+                ((args.prefix_len > 0).then(|| prefix.clone()), turns)
+            }
+            _ => (None, Vec::new()),
+        };
         items.push(Item {
             prompt,
             prompt_words,
             max_tokens: max_tokens.max(1) as u32,
+            system,
+            turns,
         });
     }
     Ok(items)
@@ -175,6 +203,8 @@ fn from_file(args: &WorkloadArgs, n: usize) -> anyhow::Result<Vec<Item>> {
                 prompt_words: f.prompt.split_whitespace().count(),
                 prompt: f.prompt,
                 max_tokens: f.max_tokens.max(1),
+                system: None,
+                turns: Vec::new(),
             })
         })
         .collect::<anyhow::Result<_>>()?;
@@ -255,6 +285,20 @@ mod tests {
         assert!(uni
             .iter()
             .all(|i| (5..=9).contains(&i.prompt_words) && (2..=3).contains(&i.max_tokens)));
+    }
+
+    #[test]
+    fn chat_items_are_conversations_with_a_shared_system_message() {
+        let a = args(&["--workload", "chat", "--turns", "3", "--prefix-len", "20"]);
+        let items = build(&a, 2).unwrap();
+        assert!(items
+            .iter()
+            .all(|i| i.turns.len() == 3 && i.turns[0] == i.prompt));
+        assert_eq!(items[0].system, items[1].system);
+        assert_eq!(items[0].system.as_ref().unwrap().split(' ').count(), 20);
+        assert_ne!(items[0].turns[1], items[1].turns[1]);
+        let none = build(&args(&["--workload", "chat", "--prefix-len", "0"]), 1).unwrap();
+        assert_eq!((none[0].system.as_ref(), none[0].turns.len()), (None, 4));
     }
 
     #[test]

@@ -4,7 +4,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use pdserve_protocol::internal::{ErrorBody, ErrorKind, LoadReport};
+use pdserve_protocol::internal::{ErrorBody, ErrorKind, KvReport, LoadReport};
+use pdserve_protocol::prefix::PrefixDigest;
 use tokio::sync::mpsc;
 
 /// An engine's load: what waits in its queue, what it runs, how fast.
@@ -73,6 +74,21 @@ impl EngineStats {
         // A read-modify-write, so that a report numbered above it
         // synchronizes with it and sees the counters it follows.
         self.report_seq.fetch_add(0, Ordering::AcqRel)
+    }
+
+    /// The load report with the KV cache's state and prefix digest.
+    pub fn report_with_kv(
+        &self,
+        ready: bool,
+        kv: &KvReport,
+        prefix_cache: Option<PrefixDigest>,
+    ) -> LoadReport {
+        LoadReport {
+            kv_used_tokens: kv.used_tokens,
+            kv_free_tokens: kv.free_tokens(),
+            prefix_cache,
+            ..self.report(ready)
+        }
     }
 
     /// The load report the router balances and scales on, without KV.

@@ -185,13 +185,9 @@ impl<B: DecodeBackend> Served for DecodeServer<B> {
 
     /// The load report the router balances and scales on.
     fn load_report(&self) -> LoadReport {
-        let kv = self.backend.kv_usage();
-        LoadReport {
-            kv_used_tokens: kv.used_tokens,
-            kv_free_tokens: kv.free_tokens(),
-            prefix_cache: self.backend.prefix_digest(),
-            ..self.backend.stats().report(self.readiness.is_ready())
-        }
+        let (kv, digest) = (self.backend.kv_usage(), self.backend.prefix_digest());
+        let ready = self.readiness.is_ready();
+        self.backend.stats().report_with_kv(ready, &kv, digest)
     }
 
     fn readiness(&self) -> &Readiness {
