@@ -81,10 +81,38 @@ fn free_kv(w: &WorkerView) -> u64 {
 /// Leading prompt tokens `w`'s prefix cache holds, by its last digest (the
 /// last prompt token is always computed).
 pub fn cached_tokens(w: &WorkerView, prompt: &[u32]) -> u64 {
-    let Some(set) = &w.prefix else { return 0 };
-    let usable = &prompt[..prompt.len().saturating_sub(1)];
-    let hashes = block_hashes(usable, set.block_tokens as usize, set.seed);
-    (set.leading_blocks(&hashes) * set.block_tokens as usize) as u64
+    PromptBlocks::new(prompt).cached_tokens(w)
+}
+
+/// A prompt's block hashes, computed once per block size and seed however
+/// many workers it is matched against (workers of one model share both).
+struct PromptBlocks<'a> {
+    prompt: &'a [u32],
+    hashes: Vec<((u32, u64), Vec<u64>)>,
+}
+
+impl<'a> PromptBlocks<'a> {
+    fn new(prompt: &'a [u32]) -> Self {
+        Self {
+            prompt,
+            hashes: Vec::new(),
+        }
+    }
+
+    fn cached_tokens(&mut self, w: &WorkerView) -> u64 {
+        let Some(set) = &w.prefix else { return 0 };
+        let key = (set.block_tokens, set.seed);
+        let i = match self.hashes.iter().position(|(k, _)| *k == key) {
+            Some(i) => i,
+            None => {
+                let usable = &self.prompt[..self.prompt.len().saturating_sub(1)];
+                let h = block_hashes(usable, set.block_tokens as usize, set.seed);
+                self.hashes.push((key, h));
+                self.hashes.len() - 1
+            }
+        };
+        (set.leading_blocks(&self.hashes[i].1) * set.block_tokens as usize) as u64
+    }
 }
 
 impl Policy for PrefixAware {
@@ -107,10 +135,11 @@ impl Policy for PrefixAware {
             return least_loaded();
         }
         let prompt = req.prompt.len() as u64;
+        let mut blocks = PromptBlocks::new(req.prompt);
         let score = |k: usize| {
             let w = &workers[eligible[k]];
             let block = w.prefix.as_ref().map_or(16, |s| s.block_tokens.max(1)) as f64;
-            let uncached = (prompt - cached_tokens(w, req.prompt)) as f64 / block;
+            let uncached = (prompt - blocks.cached_tokens(w)) as f64 / block;
             self.tuning.weight * uncached.ceil() + loads[k] as f64 / block
         };
         let scores: Vec<f64> = (0..eligible.len()).map(score).collect();
