@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -26,6 +28,7 @@ import yaml
 DEPLOY = Path(__file__).resolve().parent
 ROOT = DEPLOY.parent
 K8S = DEPLOY / "k8s"
+TOKEN_FILE = K8S / "base" / "internal-token"
 # The Kubernetes version the core objects are validated against.
 K8S_VERSION = os.environ.get("PDSERVE_K8S_VERSION", "1.33.0")
 METRICS_RS = Path(os.environ.get("PDSERVE_METRICS_RS", ROOT / "shared/runtime/src/metrics.rs"))
@@ -82,10 +85,21 @@ def unknown_metrics(exprs, defined):
 # ---- Kubernetes ----------------------------------------------------------------
 
 def render_all(kubectl, out_dir):
+    """Renders a copy of deploy/k8s in which base/internal-token (gitignored,
+    written by make-token.sh) holds a throwaway token: a real one is never
+    read, and a checkout without one renders too."""
+    k8s = out_dir / "k8s"
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns(TOKEN_FILE.name))
+    r = run([kubectl, "kustomize", str(k8s / "base")])
+    check("kustomize refuses the base without base/internal-token", r.returncode != 0 and "internal-token" in r.stderr)
+    (k8s / "base" / TOKEN_FILE.name).write_text(secrets.token_hex(32))
+    r = run(["git", "-C", str(ROOT), "check-ignore", "-q", str(TOKEN_FILE.relative_to(ROOT))])
+    if r.returncode in (0, 1):  # 128: git is missing or this is not a work tree
+        check(f"git ignores {TOKEN_FILE.relative_to(ROOT)}", r.returncode == 0)
     rendered = {}
-    targets = [K8S / "base"] + sorted((K8S / "overlays").iterdir())
+    targets = [k8s / "base"] + sorted((k8s / "overlays").iterdir())
     for target in targets:
-        name = target.relative_to(K8S).as_posix()
+        name = target.relative_to(k8s).as_posix()
         r = run([kubectl, "kustomize", str(target)])
         if check(f"kustomize renders {name}", r.returncode == 0, r.stderr.strip()):
             docs = [d for d in yaml.safe_load_all(r.stdout) if d]
@@ -181,9 +195,11 @@ def check_consistency(overlay, docs):
             if dns_var in env:
                 svc_name, port = env[dns_var].split(".")[0], int(env[dns_var].rsplit(":", 1)[1])
                 svc = services.get(svc_name, {}).get("spec", {})
-                check(f"{overlay}: {dns_var} names a headless service and its port",
+                check(f"{overlay}: {name} {dns_var} names a headless service and its port",
                       svc.get("clusterIP") == "None" and any(p["port"] == port for p in svc.get("ports", [])),
                       env[dns_var])
+        check_token_mount(overlay, name, pod, by_kind.get("Secret", {}))
+    check_network_policies(overlay, deployments, by_kind.get("NetworkPolicy", {}))
     router_env = {}
     if "router" in deployments:
         router_env = env_of(deployments["router"]["spec"]["template"]["spec"]["containers"][0], configmaps)
@@ -202,6 +218,99 @@ def check_consistency(overlay, docs):
             q = t["metadata"].get("query", "")
             one = re.fullmatch(r"\s*(sum|max|min|avg|count)\s*\((?:(?!\bby\b|\bwithout\b).)*\)\s+or\s+vector\(0\)\s*", q, re.S)
             check(f"{overlay}: ScaledObject/{name} trigger {t.get('name')} returns one series", bool(one), q)
+
+
+def check_token_mount(overlay, name, pod, secrets_):
+    """The container reads the internal token from a file mounted from a
+    Secret of the rendered output, which the pod cannot start without."""
+    c = pod["containers"][0]
+    env = {e["name"]: e for e in c.get("env", [])}
+    path = env.get("PDSERVE_INTERNAL_TOKEN_FILE", {}).get("value", "")
+    mount_dir, _, file = path.rpartition("/")
+    mount = next((m for m in c.get("volumeMounts", []) if m["mountPath"].rstrip("/") == mount_dir), {})
+    vol = next((v for v in pod.get("volumes", []) if v["name"] == mount.get("name")), {}).get("secret", {})
+    key = {i["path"]: i["key"] for i in vol.get("items", [])}.get(file, file)
+    data = secrets_.get(vol.get("secretName"), {}).get("data", {})
+    ok = bool(path) and "PDSERVE_INTERNAL_TOKEN" not in env and vol.get("optional") is not True and key in data
+    check(f"{overlay}: {name} reads the internal token from a mounted, required Secret", ok,
+          f"PDSERVE_INTERNAL_TOKEN_FILE={path!r}, volume {mount.get('name')!r}, Secret {vol.get('secretName')!r} "
+          f"(optional: {vol.get('optional')}), key {key!r}, PDSERVE_INTERNAL_TOKEN set: {'PDSERVE_INTERNAL_TOKEN' in env}")
+
+
+# Who may connect to each component's port under the NetworkPolicies: the
+# components, Prometheus in namespace monitoring, a pod of another namespace,
+# and an unrelated pod of pdserve's own namespace.
+SOURCES = ("router", "prefill", "decode", "prometheus", "other-namespace", "other-pod")
+REACHABLE = {
+    "router": set(SOURCES),
+    "prefill": {"router", "prometheus"},
+    "decode": {"router", "prefill", "prometheus"},
+}
+
+
+def selects(selector, labels):
+    """Whether a label selector (matchLabels, matchExpressions) selects `labels`."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        has, values = e["key"] in labels, e.get("values", [])
+        ok = {"In": has and labels.get(e["key"]) in values, "NotIn": labels.get(e["key"]) not in values,
+              "Exists": has, "DoesNotExist": not has}[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def admits(policies, target, source, port):
+    """Whether NetworkPolicies let `source` open a TCP connection to `target`
+    on `port`. Each is (namespace, pod labels, {port name: number})."""
+    (ns, labels, named), (src_ns, src_labels, _) = target, source
+    specs = [p["spec"] for p in policies if p["metadata"].get("namespace") == ns
+             and selects(p["spec"].get("podSelector", {}), labels)
+             and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not specs:
+        return True
+
+    def port_ok(p):
+        first = named.get(p["port"]) if isinstance(p.get("port"), str) else p.get("port", port)
+        return p.get("protocol", "TCP") == "TCP" and first is not None and first <= port <= p.get("endPort", first)
+
+    def peer_ok(peer):
+        if "ipBlock" in peer:  # the sources here are pods, not addresses
+            return False
+        in_ns = (selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": src_ns})
+                 if "namespaceSelector" in peer else src_ns == ns)
+        return in_ns and selects(peer.get("podSelector", {}), src_labels)
+
+    return any((not rule.get("ports") or any(map(port_ok, rule["ports"])))
+               and (not rule.get("from") or any(map(peer_ok, rule["from"])))
+               for spec in specs for rule in spec.get("ingress", []))
+
+
+def check_network_policies(overlay, deployments, policies):
+    """Evaluates the NetworkPolicies for every source against each component's
+    `http` port (REACHABLE) and against another port (nobody)."""
+    pods = {}
+    for name, dep in deployments.items():
+        tpl = dep["spec"]["template"]
+        named = {p["name"]: p["containerPort"] for c in tpl["spec"]["containers"] for p in c.get("ports", []) if "name" in p}
+        pods[name] = (dep["metadata"].get("namespace"), tpl["metadata"].get("labels", {}), named)
+    ns = next(iter(pods.values()))[0] if pods else None
+    sources = {n: pods[n] for n in SOURCES if n in pods}
+    sources |= {"prometheus": ("monitoring", {"app.kubernetes.io/name": "prometheus"}, {}),
+                "other-namespace": ("default", {"app": "other"}, {}),
+                "other-pod": (ns, {"app": "other"}, {})}
+    for target, want in REACHABLE.items():
+        if target not in pods or "http" not in pods[target][2]:
+            check(f"{overlay}: Deployment/{target} has a port named http", False)
+            continue
+        port = pods[target][2]["http"]
+        got = {s for s, src in sources.items() if admits(policies.values(), pods[target], src, port)}
+        check(f"{overlay}: NetworkPolicies admit to {target}:{port} only {', '.join(sorted(want))}",
+              got == want, f"admitted: {', '.join(sorted(got))}")
+        other = {s for s, src in sources.items() if admits(policies.values(), pods[target], src, port + 1)}
+        check(f"{overlay}: NetworkPolicies admit nobody to {target}'s other ports", not other,
+              f"admitted on {port + 1}: {', '.join(sorted(other))}")
 
 
 def check_router_policy(overlay, pool, spec, env):
@@ -286,9 +395,10 @@ def alert_exprs():
 
 
 def shell_scripts():
-    """The Slurm script and the validation script parse (`bash -n`), and pass
-    shellcheck when it is installed."""
-    for script in (DEPLOY / "slurm" / "pdserve.sbatch", DEPLOY / "validate.sh"):
+    """The Slurm script, up.sh, make-token.sh and the validation script parse
+    (`bash -n`), and pass shellcheck when it is installed."""
+    for script in (DEPLOY / "slurm" / "pdserve.sbatch", DEPLOY / "local" / "up.sh",
+                   K8S / "make-token.sh", DEPLOY / "validate.sh"):
         r = run(["bash", "-n", str(script)])
         check(f"bash -n {script.relative_to(ROOT)}", r.returncode == 0, r.stderr.strip())
         if shutil.which("shellcheck"):
@@ -343,12 +453,16 @@ def wait_ready(url, proc, seconds=120):
 
 
 def metrics(bin_dir, model):
-    """Starts decode, prefill and router on loopback (one model thread each),
-    sends one disaggregated request so that histograms and labelled series
-    exist, and runs `promtool check metrics` on each /metrics."""
+    """Starts decode, prefill and router on loopback (one model thread each)
+    with an internal token, sends one disaggregated request so that histograms
+    and labelled series exist, and runs `promtool check metrics` on each
+    /metrics (open, like /ready; an internal endpoint without the token is not)."""
     defined = defined_metrics()
     ports = {c: free_port() for c in ("decode", "prefill", "router")}
     urls = {c: f"http://127.0.0.1:{p}" for c, p in ports.items()}
+    env = {**os.environ, "PDSERVE_LOG": "warn", "PDSERVE_INTERNAL_TOKEN": secrets.token_hex(32)}
+    env.pop("PDSERVE_INTERNAL_TOKEN_FILE", None)
+    envs = {"decode": env, "router": env, "prefill": {**env, "PDSERVE_DECODE_URLS": urls["decode"]}}
     common = ["--host", "127.0.0.1", "--model", str(model), "--drain-seconds", "2"]
     cmds = {
         "decode": [f"{bin_dir}/pdserve-decode", "--port", str(ports["decode"]), "--threads", "1",
@@ -362,8 +476,7 @@ def metrics(bin_dir, model):
     try:
         for c in ("decode", "prefill", "router"):
             log = open(Path(logs.name) / f"{c}.log", "w")
-            procs[c] = subprocess.Popen(cmds[c], stdout=log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "PDSERVE_LOG": "warn"})
+            procs[c] = subprocess.Popen(cmds[c], stdout=log, stderr=subprocess.STDOUT, env=envs[c])
             if c != "router" and not check(f"{c} starts", wait_ready(urls[c], procs[c]),
                                            (Path(logs.name) / f"{c}.log").read_text()[-1500:]):
                 return
@@ -378,6 +491,12 @@ def metrics(bin_dir, model):
                 check("a disaggregated completion succeeds", r.status == 200)
         except OSError as e:
             check("a disaggregated completion succeeds", False, str(e))
+        for c in ("prefill", "decode"):
+            try:
+                status = get(urls[c] + "/load")[0]
+            except urllib.error.HTTPError as e:
+                status = e.code
+            check(f"{c} refuses /load without the internal token (401)", status == 401, str(status))
         for c in ("router", "prefill", "decode"):
             _, text = get(urls[c] + "/metrics")
             r = run(["promtool", "check", "metrics"], input=text)

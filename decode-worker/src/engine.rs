@@ -86,8 +86,13 @@ impl Scheduler {
                     None => return,
                 }
             }
-            while let Ok(job) = rx.try_recv() {
-                self.intake(job);
+            // The engine holds at most --max-queue waiting sequences; the
+            // rest wait in the bounded channel, and a full one refuses.
+            while self.waiting.len() < self.cfg.limits.max_queue.max(1) {
+                match rx.try_recv() {
+                    Ok(job) => self.intake(job),
+                    Err(_) => break,
+                }
             }
             let result = std::panic::catch_unwind(AssertUnwindSafe(|| self.iteration()));
             if result.is_err() {
@@ -164,7 +169,7 @@ impl Scheduler {
             Ok(l) => l,
             Err(e) => {
                 let s = self.waiting.remove(i).expect("index from position");
-                s.stream.fail(e.to_wire(ErrorClass::Fatal), &self.metrics);
+                s.stream.fail(ErrorBody::from(&e), &self.metrics);
                 return;
             }
         };

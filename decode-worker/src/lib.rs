@@ -12,7 +12,7 @@ mod seq;
 use std::sync::Arc;
 
 use pdserve_engine::Model;
-use pdserve_worker::decode::{DecodeMetrics, DecodeServer};
+use pdserve_worker::decode::{DecodeMetrics, DecodeNet, DecodeServer};
 use pdserve_worker::kv::budget_tokens;
 
 pub use backend::RealDecode;
@@ -44,5 +44,6 @@ pub fn build(
         peak_bytes_per_second: args.peak_memory_bandwidth_gbps * 1e9,
     };
     let backend = RealDecode::spawn(model, pool, eos, cfg, metrics.clone());
-    DecodeServer::new(backend, metrics, public_url)
+    let net = DecodeNet::new(args.server.auth.token(), &args.decode);
+    DecodeServer::new(backend, metrics, public_url, net)
 }

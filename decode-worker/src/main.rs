@@ -4,10 +4,15 @@ use clap::Parser;
 use pdserve_decode::{build, Args};
 use pdserve_engine::Tokenizer;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // Before any thread exists: the thread pools read these at first use.
+    pdserve_engine::threads::set_env(args.model.threads);
     pdserve_runtime::telemetry::init(&args.server.telemetry);
+    pdserve_runtime::run(serve(args))
+}
+
+async fn serve(args: Args) -> anyhow::Result<()> {
     tracing::info!(?args, "starting the decode worker");
     let margs = args.model.clone();
     let model = Arc::new(tokio::task::spawn_blocking(move || margs.load()).await??);

@@ -4,6 +4,9 @@
 # foreground. Ctrl-C stops everything (the workers drain first).
 #
 #   PDSERVE_PORT   the router's port (default 8000)
+#   PDSERVE_INTERNAL_TOKEN, PDSERVE_INTERNAL_TOKEN_FILE
+#                  the internal plane's shared secret (default: a random one
+#                  per run, never printed; docs/deploy.md)
 #   extra arguments are passed to the router (see: pdserve-router --help)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -13,6 +16,13 @@ PORT="${PDSERVE_PORT:-8000}"
 
 "$ROOT/deploy/local/fetch-model.sh"
 cargo build --release --workspace
+
+# Every internal call (router <-> workers) carries this bearer token. Exported,
+# so the router and the workers it spawns share it.
+if [[ -z "${PDSERVE_INTERNAL_TOKEN:-}" && -z "${PDSERVE_INTERNAL_TOKEN_FILE:-}" ]]; then
+    PDSERVE_INTERNAL_TOKEN="$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+    export PDSERVE_INTERNAL_TOKEN
+fi
 
 target/release/pdserve-router \
     --port "$PORT" \

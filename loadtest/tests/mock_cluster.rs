@@ -7,9 +7,11 @@ use pdserve_testkit::tiny::TinyModel;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-async fn mock(model: &str, pool: &str) -> String {
+async fn mock(model: &str, pool: &str, extra: &[&str]) -> String {
     let (listener, url) = bind().await;
-    let args = pdserve_mock_worker::Args::parse_from(["mock", "--pool", pool, "--model", model]);
+    let mut argv = vec!["mock", "--pool", pool, "--model", model];
+    argv.extend_from_slice(extra);
+    let args = pdserve_mock_worker::Args::parse_from(argv);
     serve_on(
         listener,
         pdserve_mock_worker::build(&args, url.clone())
@@ -21,8 +23,10 @@ async fn mock(model: &str, pool: &str) -> String {
 
 /// A router over one mock prefill and one mock decode worker.
 async fn cluster(model: &str) -> String {
-    let prefill = format!("--prefill-url={}", mock(model, "prefill").await);
-    let decode = format!("--decode-url={}", mock(model, "decode").await);
+    let decode_url = mock(model, "decode", &[]).await;
+    let prefill_url = mock(model, "prefill", &["--decode-url", &decode_url]).await;
+    let prefill = format!("--prefill-url={prefill_url}");
+    let decode = format!("--decode-url={decode_url}");
     let args = pdserve_router::Args::try_parse_from([
         "pdserve-router",
         "--model",

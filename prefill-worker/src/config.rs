@@ -4,6 +4,7 @@ use clap::Parser;
 use pdserve_engine::args::ModelArgs;
 use pdserve_protocol::kvwire::KvDtype;
 use pdserve_worker::kv::KvArgs;
+use pdserve_worker::prefill::DestinationArgs;
 use pdserve_worker::ServerArgs;
 
 /// pdserve prefill worker.
@@ -45,6 +46,8 @@ pub struct Args {
     /// Peak matmul throughput of this machine in GFLOP/s, for the FLOPs-utilisation (MFU) estimate.
     #[arg(long, env = "PDSERVE_PEAK_GFLOPS", default_value_t = 410.0)]
     pub peak_gflops: f64,
+    #[command(flatten)]
+    pub destinations: DestinationArgs,
     #[command(flatten)]
     pub server: ServerArgs,
 }

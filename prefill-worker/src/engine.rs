@@ -37,11 +37,12 @@ pub struct EngineHandle {
     model: Arc<Model>,
     pool: KvPool,
     queue: EngineQueue<Task>,
+    gate: Arc<std::sync::Mutex<()>>,
 }
 
 impl EngineHandle {
-    /// Starts the model thread. Call it inside a Tokio runtime: the thread
-    /// uses the runtime's timer to bound its wait for a slow upload.
+    /// Starts the model thread. It never waits on the network: a job's KV
+    /// frames queue for its upload up to a byte cap (`frames`).
     pub fn spawn(
         model: Arc<Model>,
         pool: KvPool,
@@ -50,22 +51,35 @@ impl EngineHandle {
     ) -> Self {
         let (queue, rx) = EngineQueue::new(cfg.queue_capacity);
         let worker = Worker {
-            rt: tokio::runtime::Handle::current(),
             pool: pool.clone(),
             model: model.clone(),
             cfg,
             metrics,
             stats: queue.stats().clone(),
+            gate: Arc::default(),
         };
+        let gate = worker.gate.clone();
         std::thread::Builder::new()
             .name("pdserve-prefill-engine".into())
             .spawn(move || worker.run(rx))
             .expect("spawn the engine thread");
-        Self { model, pool, queue }
+        Self {
+            model,
+            pool,
+            queue,
+            gate,
+        }
     }
 
     pub fn model(&self) -> &Arc<Model> {
         &self.model
+    }
+
+    /// Holds the model thread before its next batch until the guard drops;
+    /// jobs submitted meanwhile queue up and run together (tests, and
+    /// operators who want a worker quiet for a moment).
+    pub fn pause(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.gate.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -93,12 +107,13 @@ impl PrefillBackend for EngineHandle {
 }
 
 pub(crate) struct Worker {
-    pub(crate) rt: tokio::runtime::Handle,
     pub(crate) model: Arc<Model>,
     pub(crate) pool: KvPool,
     pub(crate) cfg: EngineConfig,
     pub(crate) metrics: Arc<PrefillMetrics>,
     pub(crate) stats: Arc<EngineStats>,
+    /// Locked by [`EngineHandle::pause`].
+    pub(crate) gate: Arc<std::sync::Mutex<()>>,
 }
 
 impl Worker {
@@ -109,6 +124,7 @@ impl Worker {
             let Some(first) = held.take().or_else(|| rx.blocking_recv()) else {
                 return;
             };
+            drop(self.gate.lock());
             let batch = self.gather(first, &mut rx, &mut held);
             self.run_batch(batch);
         }

@@ -12,14 +12,15 @@ use std::sync::Arc;
 
 use pdserve_engine::Model;
 use pdserve_worker::kv::budget_tokens;
-use pdserve_worker::prefill::{PrefillMetrics, PrefillServer};
+use pdserve_worker::prefill::{PrefillMetrics, PrefillNet, PrefillServer};
 
 pub use config::Args;
 pub use engine::{EngineConfig, EngineHandle};
 
 /// The prefill server over `model`, its model thread started. The worker
-/// starts ready.
-pub fn build(model: Arc<Model>, args: &Args) -> Arc<PrefillServer<EngineHandle>> {
+/// starts ready. Fails on a bad `--decode-url`.
+pub fn build(model: Arc<Model>, args: &Args) -> Result<Arc<PrefillServer<EngineHandle>>, String> {
+    let net = PrefillNet::from_args(&args.server, &args.destinations)?;
     let metrics = Arc::new(PrefillMetrics::new());
     // Room for a full batch of prompts or one whole prompt, at least.
     let budget = budget_tokens(
@@ -42,8 +43,9 @@ pub fn build(model: Arc<Model>, args: &Args) -> Arc<PrefillServer<EngineHandle>>
         kv_dtype: args.kv_dtype.into(),
         peak_flops: args.peak_gflops * 1e9,
     };
-    PrefillServer::new(
+    Ok(PrefillServer::new(
         EngineHandle::spawn(model, pool, cfg, metrics.clone()),
         metrics,
-    )
+        net,
+    ))
 }

@@ -12,15 +12,13 @@
 //! `from` are not sent at all.
 
 use std::ops::{ControlFlow, Range};
-use std::time::Duration;
 
 use bytes::Bytes;
 use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
 use pdserve_engine::{EngineError, Segment, SeqKv};
-use pdserve_protocol::internal::{ErrorBody, ErrorClass, ErrorKind, PrefillJob};
+use pdserve_protocol::internal::{ErrorBody, ErrorKind, PrefillJob};
 use pdserve_protocol::kvwire::{self, KvHeader, KvTrailer};
-use pdserve_worker::prefill::{cancelled, upload_stopped, Computed, PrefillTask as Task};
-use tokio::sync::mpsc::error::TrySendError;
+use pdserve_worker::prefill::{cancelled, Computed, PrefillTask as Task};
 use tokio::time::Instant;
 
 use crate::engine::Worker;
@@ -184,7 +182,7 @@ impl Worker {
                 }
                 Ok(_) | Err(EngineError::Interrupted { .. }) => {}
                 Err(e) => {
-                    m.failed.get_or_insert(e.to_wire(ErrorClass::Fatal));
+                    m.failed.get_or_insert(ErrorBody::from(e));
                 }
             }
         }
@@ -290,29 +288,11 @@ impl Worker {
         Ok(Bytes::from(out))
     }
 
-    /// Hands a frame to the upload. When the network is slower than compute
-    /// this blocks until the upload takes it, the job is cancelled, or the
-    /// job's deadline passes, whichever comes first.
+    /// Hands a frame to the upload. It never waits: a decode worker that
+    /// reads slower than the job's KV buffer allows fails this job only.
     fn send(&self, task: &Task, frame: Bytes) -> Result<u64, ErrorBody> {
         let n = frame.len() as u64;
-        match task.frames.try_send(frame) {
-            Ok(()) => {}
-            Err(TrySendError::Closed(_)) => return Err(upload_stopped()),
-            Err(TrySendError::Full(frame)) => {
-                let deadline = task.enqueued + Duration::from_millis(task.job.deadline_ms.max(1));
-                self.rt.block_on(async {
-                    tokio::select! {
-                        biased;
-                        _ = task.cancel.cancelled() => Err(cancelled()),
-                        r = task.frames.send(frame) => r.map_err(|_| upload_stopped()),
-                        _ = tokio::time::sleep_until(deadline) => Err(ErrorBody::retryable(
-                            ErrorKind::DeadlineExceeded,
-                            "the KV upload fell behind the job's deadline",
-                        )),
-                    }
-                })?;
-            }
-        }
+        task.frames.send(frame)?;
         self.metrics.kv_transfer_bytes.inc_by(n);
         Ok(n)
     }

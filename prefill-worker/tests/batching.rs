@@ -47,21 +47,12 @@ fn jobs(lens: &[usize]) -> Vec<PrefillJob> {
 async fn alone(b: &Bench, jobs: &[PrefillJob]) -> Vec<(Vec<Bytes>, u32)> {
     let mut out = Vec::new();
     for j in jobs {
-        let (t, ends) = task(j.clone(), 64);
+        let (t, ends) = task(j.clone(), UNCAPPED);
         b.engine.submit(t).unwrap();
         let (frames, reply) = ends.finish().await;
         out.push((frames, reply.unwrap().first_token));
     }
     out
-}
-
-/// Occupies the model thread with a job whose upload we hold back, so that
-/// the jobs submitted meanwhile queue up; returns its ends to drain later.
-async fn occupy(b: &Bench) -> TaskEnds {
-    let (t, mut ends) = task(job("blocker", prompt(12, 9), "http://unused"), 1);
-    b.engine.submit(t).unwrap();
-    let _header = within(ends.frames.recv()).await.unwrap();
-    ends
 }
 
 fn batch_sizes(b: &Bench) -> (u64, f64) {
@@ -75,24 +66,25 @@ async fn batched_jobs_get_exactly_the_kv_and_first_token_they_get_alone() {
     let jobs = jobs(&[9, 14, 5, 11]);
     let reference = alone(&b, &jobs).await;
     assert_eq!(batch_sizes(&b), (4, 4.0), "alone: four batches of one");
-    let blocker = occupy(&b).await;
+    // Paused, the model thread takes the first job and waits: the others queue.
+    let paused = b.engine.pause();
     let ends: Vec<TaskEnds> = jobs
         .iter()
         .map(|j| {
-            let (t, e) = task(j.clone(), 64);
+            let (t, e) = task(j.clone(), UNCAPPED);
             b.engine.submit(t).unwrap();
             e
         })
         .collect();
-    blocker.finish().await.1.unwrap();
+    drop(paused);
     for (e, (frames, first)) in ends.into_iter().zip(reference) {
         let (got, reply) = e.finish().await;
         assert_eq!(reply.unwrap().first_token, first);
         assert_eq!(got.len(), frames.len());
         assert!(got == frames, "the KV stream differs from the job's alone");
     }
-    // The blocker alone, then the four queued jobs in one forward pass.
-    assert_eq!(batch_sizes(&b), (6, 9.0));
+    // Then the four queued jobs in one forward pass.
+    assert_eq!(batch_sizes(&b), (5, 8.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -100,24 +92,20 @@ async fn a_failed_or_cancelled_member_does_not_affect_the_others() {
     let b = start(64);
     let jobs = jobs(&[9, 14, 5, 11]);
     let reference = alone(&b, &jobs).await;
-    let blocker = occupy(&b).await;
-    // j1's upload dies mid-batch (room for its header only); j2 is cancelled while queued.
+    let paused = b.engine.pause();
+    // j1's upload is gone before the batch runs; j2 is cancelled while queued.
     let mut ends: Vec<TaskEnds> = jobs
         .iter()
-        .enumerate()
-        .map(|(i, j)| {
-            let (t, e) = task(j.clone(), if i == 1 { 1 } else { 64 });
+        .map(|j| {
+            let (t, e) = task(j.clone(), UNCAPPED);
             b.engine.submit(t).unwrap();
             e
         })
         .collect();
     ends[2].cancel.cancel();
     let failing = ends.remove(1);
-    let draining = tokio::spawn(blocker.finish());
-    let mut frames = failing.frames;
-    let _header = within(frames.recv()).await.unwrap();
-    drop(frames);
-    within(draining).await.unwrap().1.unwrap();
+    drop(failing.frames);
+    drop(paused);
     let err = within(failing.reply).await.unwrap().unwrap_err();
     assert_eq!(err.kind, ErrorKind::KvUploadFailed, "{err:?}");
     let reference = [&reference[0], &reference[2], &reference[3]];
@@ -129,26 +117,27 @@ async fn a_failed_or_cancelled_member_does_not_affect_the_others() {
     assert_eq!(results[0], Ok((true, true)), "j0 as alone");
     assert_eq!(results[1].as_ref().unwrap_err().kind, ErrorKind::Cancelled);
     assert_eq!(results[2], Ok((true, true)), "j3 as alone");
-    // After the blocker: j0, j1 and j3 went into the forward pass together.
-    assert_eq!(batch_sizes(&b), (4 + 2, 4.0 + 1.0 + 3.0));
+    // j0 and j3 went into the forward pass together: j1 failed on its
+    // header, before the pass, and j2 was cancelled.
+    assert_eq!(batch_sizes(&b), (4 + 1, 4.0 + 2.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_over_the_budget_runs_alone_and_order_is_kept() {
     let b = start(32);
-    let blocker = occupy(&b).await;
+    let paused = b.engine.pause();
     let ends: Vec<TaskEnds> = jobs(&[10, 40, 10, 12])
         .into_iter()
         .map(|j| {
-            let (t, e) = task(j, 64);
+            let (t, e) = task(j, UNCAPPED);
             b.engine.submit(t).unwrap();
             e
         })
         .collect();
-    blocker.finish().await.1.unwrap();
+    drop(paused);
     for e in ends {
         e.finish().await.1.unwrap();
     }
-    // [blocker], [10] (the 40 does not fit), [40] alone in chunks, [10, 12].
-    assert_eq!(batch_sizes(&b), (4, 5.0));
+    // [10] (the 40 does not fit), [40] alone in chunks, [10, 12].
+    assert_eq!(batch_sizes(&b), (3, 4.0));
 }

@@ -40,10 +40,10 @@ async fn cluster_with(decode_args: &[&str], prefill_args: &[&str]) -> Cluster {
     let app = pdserve_decode::build(model(), TINY_EOS, &dargs, decode.clone()).routes();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     // The prefill worker, with its own copy of the model.
-    let mut argv = vec!["p", "--model", tiny.arg()];
+    let mut argv = vec!["p", "--model", tiny.arg(), "--decode-url", &decode];
     argv.extend_from_slice(prefill_args);
     let pargs = pdserve_prefill::Args::parse_from(argv);
-    let prefill = serve(pdserve_prefill::build(model(), &pargs).routes()).await;
+    let prefill = serve(pdserve_prefill::build(model(), &pargs).unwrap().routes()).await;
     Cluster {
         prefill,
         decode,
@@ -263,7 +263,7 @@ async fn f16_kv_transfer_completes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_decode_worker_is_a_retryable_error() {
-    let c = cluster(&[]).await;
+    let c = cluster(&["--decode-url", "http://127.0.0.1:9"]).await;
     let resp = prefill(
         &c,
         "lost",

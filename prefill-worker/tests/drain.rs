@@ -33,8 +33,9 @@ struct InFlight {
 async fn job_in_flight(id: &str, drain_seconds: u64) -> InFlight {
     let tiny = tiny(&TinyModelSpec::default());
     let exe = env!("CARGO_BIN_EXE_pdserve-prefill");
-    let worker = WorkerProcess::worker(exe, &tiny.path, drain_seconds).await;
     let mut sink = KvSink::start(false).await;
+    let extra = ["--decode-url", sink.url.as_str()];
+    let worker = WorkerProcess::worker_with(exe, &tiny.path, drain_seconds, &extra).await;
     let (url, j) = (
         worker.url.clone(),
         job(id, prompt(30, 0), &sink.url_for(id)),

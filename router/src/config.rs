@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use pdserve_runtime::auth::{InternalAuthArgs, Secret};
+use pdserve_runtime::net::HostAllow;
 use pdserve_runtime::telemetry::TelemetryArgs;
 
 use crate::policy::prefix::PrefixTuning;
@@ -108,8 +110,19 @@ pub struct Args {
     #[arg(long, env = "PDSERVE_PREFIX_BALANCE_REL", default_value_t = 2.0)]
     pub prefix_balance_rel: f64,
     /// Accepted API keys (comma-separated); none means no authentication.
-    #[arg(long = "api-key", env = "PDSERVE_API_KEYS", value_delimiter = ',')]
-    pub api_keys: Vec<String>,
+    #[arg(
+        long = "api-key",
+        env = "PDSERVE_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<Secret>,
+    #[command(flatten)]
+    pub internal: InternalAuthArgs,
+    /// Hosts that may register as workers: CIDRs, addresses or host names
+    /// (comma-separated); none: any host (with the internal token).
+    #[arg(long, env = "PDSERVE_WORKER_ALLOW", value_delimiter = ',')]
+    pub worker_allow: Vec<String>,
     /// Largest request body in bytes (413 above).
     #[arg(long, env = "PDSERVE_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
@@ -193,9 +206,7 @@ impl Args {
                 "--prefix-weight and --prefix-balance-rel must be finite and not negative".into(),
             );
         }
-        if self.api_keys.iter().any(|k| k.is_empty()) {
-            return Err("an API key must not be empty".into());
-        }
+        self.worker_allow()?;
         let positive = [
             ("--max-body-bytes", self.max_body_bytes as u64),
             (
@@ -243,6 +254,11 @@ impl Args {
         }
     }
 
+    /// `--worker-allow`, parsed.
+    pub fn worker_allow(&self) -> Result<HostAllow, String> {
+        HostAllow::parse(&self.worker_allow).map_err(|e| format!("--worker-allow: {e}"))
+    }
+
     /// The name clients use for the model.
     pub fn model_name(&self) -> String {
         self.served_model_name.clone().unwrap_or_else(|| {
@@ -286,6 +302,10 @@ mod tests {
             "k1,k2",
         ]);
         assert_eq!(a.decode_urls.len(), 2);
-        assert_eq!(a.api_keys, vec!["k1", "k2"]);
+        let keys: Vec<&str> = a.api_keys.iter().map(|k| k.expose()).collect();
+        assert_eq!(keys, vec!["k1", "k2"]);
+        assert!(!format!("{a:?}").contains("k1"), "keys are redacted");
+        assert!(Args::try_parse_from(["r", "--model", "m", "--api-key", ""]).is_err());
+        assert!(args(&["--worker-allow", "10.0.0.0/99"]).validate().is_err());
     }
 }

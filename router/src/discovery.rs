@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use pdserve_protocol::internal::{LoadReport, Pool};
+use pdserve_runtime::auth::InternalToken;
 use tokio_util::sync::CancellationToken;
 
 use crate::registry::Registry;
@@ -35,8 +36,14 @@ pub struct DiscoveryConfig {
 }
 
 /// Starts the DNS and health loops; they stop when `stop` is cancelled.
-pub fn spawn(registry: Arc<Registry>, cfg: DiscoveryConfig, stop: CancellationToken) {
+pub fn spawn(
+    registry: Arc<Registry>,
+    cfg: DiscoveryConfig,
+    token: &InternalToken,
+    stop: CancellationToken,
+) {
     let client = reqwest::Client::builder()
+        .default_headers(token.client_headers())
         .timeout(cfg.health_interval.max(Duration::from_millis(200)))
         .build()
         .unwrap_or_default();

@@ -28,6 +28,12 @@ pub enum ApiError {
     NotFound(String),
     #[error("invalid or missing API key")]
     Unauthorized,
+    /// A worker registration from a host `--worker-allow` does not list.
+    #[error("{0}")]
+    Forbidden(String),
+    /// A worker registration that would take over another worker's URL or id.
+    #[error("{0}")]
+    Conflict(String),
     #[error("the request body is larger than {0} bytes")]
     PayloadTooLarge(usize),
     /// The router's own concurrency limit.
@@ -65,6 +71,8 @@ impl ApiError {
             // The code clients have always seen for an unknown path.
             ApiError::NotFound(_) => "invalid_value",
             ApiError::Unauthorized => "invalid_api_key",
+            ApiError::Forbidden(_) => "forbidden",
+            ApiError::Conflict(_) => "conflict",
             ApiError::PayloadTooLarge(_) => "payload_too_large",
             ApiError::Overloaded => "rate_limit_exceeded",
             ApiError::Busy { .. } => "overloaded",
@@ -82,6 +90,8 @@ impl ApiError {
             }
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Busy { .. } | ApiError::NoWorker(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -131,6 +141,12 @@ impl ApiError {
         use ErrorKind::{ContextLengthExceeded, KvExhausted, NotReady, Overloaded};
         match (e.class, &e.kind) {
             (ErrorClass::Fatal, ContextLengthExceeded) => ApiError::ContextLength(e.message),
+            // The engine's own failure, even if a worker calls it fatal:
+            // a 5xx, retried elsewhere.
+            (ErrorClass::Fatal, kind) if is_engine_failure(kind) => ApiError::Upstream {
+                pool,
+                message: format!("{}: {}", e.kind, e.message),
+            },
             (ErrorClass::Fatal, _) => ApiError::Invalid {
                 param: None,
                 message: e.message,
@@ -145,6 +161,15 @@ impl ApiError {
             },
         }
     }
+}
+
+/// Kinds that are a worker's engine failing, never the request's fault.
+fn is_engine_failure(kind: &ErrorKind) -> bool {
+    use ErrorKind::*;
+    matches!(
+        kind,
+        EngineStopped | EnginePanic | EngineFailed | Tensor | Io | Interrupted | Tokenizer
+    )
 }
 
 impl IntoResponse for ApiError {
@@ -240,5 +265,30 @@ mod tests {
         assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
         let long = ErrorBody::fatal(ErrorKind::ContextLengthExceeded, "x");
         assert_eq!(worker(Pool::Decode, long).kind(), "context_length_exceeded");
+    }
+
+    #[test]
+    fn engine_failures_are_server_errors_whatever_class_a_worker_sent() {
+        for class in [ErrorClass::Fatal, ErrorClass::Retryable] {
+            for kind in [
+                ErrorKind::EngineFailed,
+                ErrorKind::Tensor,
+                ErrorKind::EnginePanic,
+            ] {
+                let e = ErrorBody {
+                    class,
+                    kind: kind.clone(),
+                    message: "x".into(),
+                };
+                let err = ApiError::from_worker(Pool::Prefill, e);
+                assert!(
+                    err.status().is_server_error(),
+                    "{kind:?} {class:?}: {err:?}"
+                );
+            }
+        }
+        // The request's own fault stays a 400, not retried.
+        let bad = ErrorBody::fatal(ErrorKind::KvCapacityExceeded, "too big");
+        assert_eq!(ApiError::from_worker(Pool::Decode, bad).status(), 400);
     }
 }

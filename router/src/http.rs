@@ -6,18 +6,22 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use pdserve_protocol::internal::{Deregistration, Heartbeat, Pool, WorkerRegistration};
+use pdserve_protocol::internal::{
+    Deregistration, Heartbeat, Pool, WorkerList, WorkerListing, WorkerRegistration,
+};
 use pdserve_protocol::openai::{
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard,
     ModelList, TokenizeRequest, TokenizeResponse,
 };
+use pdserve_runtime::auth::{InternalToken, Secret};
 use pdserve_runtime::metrics::labels;
+use pdserve_runtime::net::{host_of, worker_base, HostAllow};
 use serde::de::DeserializeOwned;
 
 use crate::dispatch::Dispatcher;
@@ -34,7 +38,11 @@ pub struct AppState {
     pub dispatcher: Arc<Dispatcher>,
     pub registry: Arc<Registry>,
     pub metrics: Arc<RouterMetrics>,
-    pub api_keys: Vec<String>,
+    pub api_keys: Vec<Secret>,
+    /// What the internal endpoints require.
+    pub internal: InternalToken,
+    /// Hosts that may register as workers.
+    pub worker_allow: HostAllow,
     /// The concurrency limit; draining stops it accepting (`/ready` is then 503).
     pub admission: Admission,
     /// When the router started (Unix seconds), for `/v1/models`.
@@ -49,22 +57,20 @@ pub fn routes(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+    let internal = Router::new()
+        .route("/v1/internal/workers", get(list_workers))
+        .route("/v1/internal/workers/register", post(register))
+        .route("/v1/internal/workers/heartbeat", post(heartbeat))
+        .route("/v1/internal/workers/deregister", post(deregister));
     Router::new()
         .merge(public)
+        .merge(state.internal.protect(internal))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
-        .route("/v1/internal/workers/register", post(register))
-        .route("/v1/internal/workers/heartbeat", post(heartbeat))
-        .route("/v1/internal/workers/deregister", post(deregister))
         .fallback(|uri: axum::http::Uri| async move { ApiError::NotFound(uri.path().to_string()) })
         .layer(DefaultBodyLimit::max(state.frontend.limits.max_body_bytes))
         .with_state(state)
-}
-
-/// Compares in time independent of where the strings differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn authorize(
@@ -75,15 +81,11 @@ async fn authorize(
     if s.api_keys.is_empty() {
         return next.run(req).await;
     }
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    let ok = s.api_keys.iter().fold(false, |ok, k| {
-        ok | constant_time_eq(k.as_bytes(), given.as_bytes())
-    });
+    let given = pdserve_runtime::auth::bearer(req.headers());
+    let ok = s
+        .api_keys
+        .iter()
+        .fold(false, |ok, k| ok | k.matches(given.as_bytes()));
     match ok {
         true => next.run(req).await,
         false => ApiError::Unauthorized.into_response(),
@@ -134,17 +136,24 @@ async fn generate<R: DeserializeOwned>(
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
     format: Format,
-    prepare: impl Fn(&Frontend, &R) -> Result<Prepared, ApiError>,
+    prepare: impl Fn(&Frontend, &R) -> Result<Prepared, ApiError> + Send + 'static,
 ) -> Response {
     let (endpoint, prefix) = match format {
         Format::Chat => (labels::ENDPOINT_CHAT, "chatcmpl"),
         Format::Completion => (labels::ENDPOINT_COMPLETIONS, "cmpl"),
     };
     let mut request = s.admission.begin(endpoint, prefix);
-    let prepared = request.admitted().and_then(|()| {
-        let req: R = parse(body, s.frontend.limits.max_body_bytes)?;
-        prepare(&s.frontend, &req)
-    });
+    let prepared = match request.admitted() {
+        Ok(()) => {
+            let st = s.clone();
+            off_runtime(move || {
+                let req: R = parse(body, st.frontend.limits.max_body_bytes)?;
+                prepare(&st.frontend, &req)
+            })
+            .await
+        }
+        Err(e) => Err(e),
+    };
     let prepared = match prepared {
         Ok(p) => p,
         Err(e) => return request.refuse(e),
@@ -160,6 +169,16 @@ async fn generate<R: DeserializeOwned>(
         request,
     };
     respond::respond(&s.dispatcher, ctx, prepared).await
+}
+
+/// Runs CPU-heavy request work (parsing, templating, tokenizing up to the
+/// body limit) on the blocking pool, not on the async runtime's threads.
+async fn off_runtime<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .unwrap_or_else(|e| Err(ApiError::Internal(format!("preparing the request: {e}"))))
 }
 
 /// The identity every object of the response shares.
@@ -192,6 +211,13 @@ async fn tokenize(
     State(s): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
+    off_runtime(move || tokenize_now(&s, body)).await.map(Json)
+}
+
+fn tokenize_now(
+    s: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<TokenizeResponse, ApiError> {
     let req: TokenizeRequest = parse(body, s.frontend.limits.max_body_bytes)?;
     let (model, tokens) = match &req {
         TokenizeRequest::Prompt {
@@ -225,11 +251,11 @@ async fn tokenize(
     if let Some(m) = model {
         s.frontend.check_model(m)?;
     }
-    Ok(Json(TokenizeResponse {
+    Ok(TokenizeResponse {
         count: tokens.len() as u32,
         tokens,
         max_model_len: s.frontend.context_length as u32,
-    }))
+    })
 }
 
 async fn detokenize(
@@ -263,15 +289,48 @@ async fn register(
     State(s): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<StatusCode, ApiError> {
-    let reg: WorkerRegistration = parse(body, s.frontend.limits.max_body_bytes)?;
-    if !(reg.url.starts_with("http://") || reg.url.starts_with("https://")) {
-        return Err(ApiError::invalid(
-            "url",
-            "a worker URL starts with http:// or https://",
-        ));
+    let mut reg: WorkerRegistration = parse(body, s.frontend.limits.max_body_bytes)?;
+    reg.url = worker_base(&reg.url).map_err(|e| ApiError::invalid("url", e))?;
+    if !s.worker_allow.allows(host_of(&reg.url)) {
+        tracing::warn!(url = %reg.url, "refused a registration from a host --worker-allow does not list");
+        return Err(ApiError::Forbidden(format!(
+            "{} may not register: its host is not in --worker-allow",
+            reg.url
+        )));
     }
-    s.registry.register(&reg);
+    if let Some(id) = &reg.worker_id {
+        pdserve_protocol::internal::validate_request_id(id)
+            .map_err(|_| ApiError::invalid("worker_id", "1..=128 printable ASCII characters"))?;
+    }
+    s.registry.register(&reg).map_err(|e| {
+        tracing::warn!(url = %reg.url, "refused a registration: {e}");
+        ApiError::Conflict(e)
+    })?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(serde::Deserialize)]
+struct ListQuery {
+    pool: Option<Pool>,
+}
+
+/// `GET /v1/internal/workers[?pool=decode]`: the workers the router knows.
+async fn list_workers(
+    State(s): State<Arc<AppState>>,
+    Query(q): Query<ListQuery>,
+) -> Json<WorkerList> {
+    let workers = s
+        .registry
+        .list()
+        .into_iter()
+        .filter(|(_, pool, _)| q.pool.is_none_or(|p| p == *pool))
+        .map(|(url, pool, health)| WorkerListing {
+            url,
+            pool,
+            health: health.label().to_string(),
+        })
+        .collect();
+    Json(WorkerList { workers })
 }
 
 async fn heartbeat(
@@ -293,17 +352,4 @@ async fn deregister(
     let d: Deregistration = parse(body, s.frontend.limits.max_body_bytes)?;
     s.registry.deregister(&d.url);
     Ok(StatusCode::NO_CONTENT)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn constant_time_comparison() {
-        assert!(constant_time_eq(b"secret", b"secret"));
-        assert!(!constant_time_eq(b"secret", b"secreT"));
-        assert!(!constant_time_eq(b"secret", b"secret2"));
-        assert!(!constant_time_eq(b"", b"x"));
-    }
 }

@@ -48,11 +48,13 @@ pub fn build_state(args: &Args) -> anyhow::Result<Arc<AppState>> {
         policy::build(args.prefill_policy, Pool::Prefill, tuning),
         policy::build(args.decode_policy, Pool::Decode, tuning),
     );
+    let internal = args.internal.token();
     let dispatcher = Arc::new(Dispatcher::new(
         registry.clone(),
         args.dispatch(),
         policies,
         metrics.clone(),
+        &internal,
     ));
     Ok(Arc::new(AppState {
         frontend,
@@ -60,6 +62,8 @@ pub fn build_state(args: &Args) -> anyhow::Result<Arc<AppState>> {
         registry,
         metrics: metrics.clone(),
         api_keys: args.api_keys.clone(),
+        internal,
+        worker_allow: args.worker_allow().map_err(anyhow::Error::msg)?,
         admission: request::Admission::new(args.limits().max_concurrent_requests, metrics.clone()),
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -81,7 +85,12 @@ pub fn spawn(
     stop: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<Arc<AppState>> {
     let state = build_state(args)?;
-    discovery::spawn(state.registry.clone(), discovery_config(args), stop.clone());
+    discovery::spawn(
+        state.registry.clone(),
+        discovery_config(args),
+        &state.internal,
+        stop.clone(),
+    );
     let app = build_app(state.clone());
     tokio::spawn(async move {
         let served = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());

@@ -8,12 +8,23 @@ use pdserve_router::autoscaler::{self, Executor, ExecutorKind, ExportOnly, Local
 use pdserve_router::http::AppState;
 use pdserve_router::supervisor::{Supervisor, SupervisorConfig};
 use pdserve_router::{build_app, build_state, discovery, discovery_config, Args};
+use pdserve_runtime::auth::Secret;
 use tokio_util::sync::CancellationToken;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+fn main() -> anyhow::Result<()> {
+    let mut args = Args::parse();
     pdserve_runtime::telemetry::init(&args.telemetry);
+    let local = args.local.local_prefill + args.local.local_decode > 0;
+    if local && !args.internal.token().is_set() {
+        // The workers this router starts get a token nobody else knows.
+        tracing::info!("generated an internal token for the local workers");
+        args.internal.internal_token = Some(Secret::generate());
+    }
+    args.internal.token().warn_if_unset("router");
+    pdserve_runtime::run(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(?args, "starting the router");
     let state = build_state(&args)?;
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
@@ -25,6 +36,7 @@ async fn main() -> anyhow::Result<()> {
     discovery::spawn(
         state.registry.clone(),
         discovery_config(&args),
+        &state.internal,
         shutdown.clone(),
     );
     let drain = Duration::from_secs(args.drain_seconds);
@@ -52,7 +64,8 @@ fn local_workers(args: &Args, port: u16, drain: Duration) -> Option<Arc<Supervis
         return None;
     }
     let router_url = format!("http://127.0.0.1:{port}");
-    let cfg = SupervisorConfig::new(&args.local, &args.model, router_url, drain);
+    let token = args.internal.token().secret().cloned();
+    let cfg = SupervisorConfig::new(&args.local, &args.model, router_url, drain, token);
     tracing::info!(?cfg, "starting local workers");
     let sup = Supervisor::new(cfg);
     (0..args.local.local_prefill).for_each(|_| sup.spawn(Pool::Prefill));
@@ -79,7 +92,7 @@ fn executor(
 }
 
 /// Serves until `shutdown`, then refuses new requests and lets those in
-/// flight finish, for at most `drain`.
+/// flight finish, for at most `drain`: what is still open then is cut.
 async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
@@ -87,8 +100,9 @@ async fn serve(
     drain: Duration,
 ) -> std::io::Result<()> {
     let s = state.clone();
+    let stop = shutdown.clone();
     let graceful = async move {
-        shutdown.cancelled().await;
+        stop.cancelled().await;
         s.admission.stop_accepting();
         let until = Instant::now() + drain;
         while Instant::now() < until && s.admission.in_flight() > 0 {
@@ -96,10 +110,23 @@ async fn serve(
         }
         tracing::info!("requests drained");
     };
-    axum::serve(
+    let served = axum::serve(
         pdserve_runtime::shutdown::no_delay(listener),
-        build_app(state),
+        build_app(state.clone()),
     )
-    .with_graceful_shutdown(graceful)
-    .await
+    .with_graceful_shutdown(graceful);
+    // The graceful shutdown also waits for idle keep-alive connections and
+    // streams that outlive the drain: bound it.
+    let deadline = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(drain + Duration::from_secs(1)).await;
+    };
+    tokio::select! {
+        r = served => r,
+        () = deadline => {
+            let cut = state.admission.in_flight();
+            tracing::warn!(cut, "the drain deadline passed: closing what is still open");
+            Ok(())
+        }
+    }
 }

@@ -64,10 +64,18 @@ pub struct SupervisorConfig {
     pub kv_cache_tokens: usize,
     pub drain: Duration,
     pub engine: LocalEngine,
+    /// The internal token every worker is given.
+    pub token: Option<pdserve_runtime::auth::Secret>,
 }
 
 impl SupervisorConfig {
-    pub fn new(args: &LocalArgs, model: &Path, router_url: String, drain: Duration) -> Self {
+    pub fn new(
+        args: &LocalArgs,
+        model: &Path,
+        router_url: String,
+        drain: Duration,
+        token: Option<pdserve_runtime::auth::Secret>,
+    ) -> Self {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let workers = (args.local_prefill + args.local_decode).max(1);
         let threads = match args.worker_threads {
@@ -90,6 +98,7 @@ impl SupervisorConfig {
             kv_cache_tokens: args.worker_kv_cache_tokens,
             drain,
             engine: args.local_engine,
+            token,
         }
     }
 }
@@ -197,8 +206,14 @@ impl Supervisor {
             .env_remove("PDSERVE_PUBLIC_URL")
             .env_remove("PDSERVE_HOST")
             .env_remove("PDSERVE_PORT")
+            .env_remove("PDSERVE_INTERNAL_TOKEN")
+            .env_remove("PDSERVE_INTERNAL_TOKEN_FILE")
             .stdin(Stdio::null())
             .kill_on_drop(true);
+        if let Some(token) = &c.token {
+            // In the environment, not on the command line `ps` shows.
+            cmd.env("PDSERVE_INTERNAL_TOKEN", token.expose());
+        }
         if pool == Pool::Decode {
             cmd.args(["--kv-cache-tokens", &c.kv_cache_tokens.to_string()]);
         }

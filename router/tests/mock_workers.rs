@@ -10,17 +10,24 @@ use std::time::Duration;
 use common::*;
 use pdserve_mock_worker::Worker;
 use pdserve_protocol::internal::Pool;
+use pdserve_runtime::auth::InternalToken;
 use pdserve_testkit::http::fetch_metric;
 use pdserve_testkit::tiny::TinyModel;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
-fn register(router: &str, url: &str, worker: &Worker, stop: &CancellationToken) {
+fn register(
+    router: &str,
+    url: &str,
+    worker: &Worker,
+    token: &InternalToken,
+    stop: &CancellationToken,
+) {
     let w = worker.clone();
     let load = Arc::new(move || w.load_report());
     let reg = worker.service(url.to_string()).registration;
     let every = Duration::from_millis(20);
-    pdserve_worker::registration::spawn(router.to_string(), reg, every, load, stop.clone());
+    pdserve_worker::registration::spawn(router.to_string(), reg, every, token, load, stop.clone());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -28,10 +35,16 @@ async fn the_real_router_serves_chat_over_registered_mock_workers() {
     let model = TinyModel::new();
     let (url, state) = router(model.arg(), &[], &[], &["--mode", "disaggregated"]).await;
     let (d, decode) = mock(&model, "decode", &["--latency-scale", "0"]).await;
-    let (p, prefill) = mock(&model, "prefill", &["--latency-scale", "0"]).await;
+    let (p, prefill) = mock(
+        &model,
+        "prefill",
+        &["--latency-scale", "0", "--decode-url", &d],
+    )
+    .await;
     let stop = CancellationToken::new();
-    register(&url, &d, &decode, &stop);
-    register(&url, &p, &prefill, &stop);
+    let open = InternalToken::default();
+    register(&url, &d, &decode, &open, &stop);
+    register(&url, &p, &prefill, &open, &stop);
     let registry = state.registry.clone();
     wait_until(Duration::from_secs(10), || {
         let r = registry.clone();

@@ -35,8 +35,9 @@ async fn worker_pair(model: &TinyModel) -> (WorkerProcess, WorkerProcess) {
             .unwrap()
             .to_string()
     };
-    let prefill = WorkerProcess::worker(&exe("pdserve-prefill"), &model.path, 5).await;
     let decode = WorkerProcess::worker(&exe("pdserve-decode"), &model.path, 5).await;
+    let known = ["--decode-url", decode.url.as_str()];
+    let prefill = WorkerProcess::worker_with(&exe("pdserve-prefill"), &model.path, 5, &known).await;
     (prefill, decode)
 }
 

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use clap::{Args as ClapArgs, Parser, ValueEnum};
 use pdserve_protocol::kvwire::KvDtype;
 use pdserve_worker::decode::DecodeArgs;
+use pdserve_worker::prefill::DestinationArgs;
 use pdserve_worker::ServerArgs;
 
 use crate::latency::{read_profile, FitError, LatencyModel};
@@ -41,6 +42,9 @@ pub struct Args {
     pub kv_dtype: KvDtype,
     #[command(flatten)]
     pub latency: LatencyArgs,
+    /// Prefill: where KV may go (as a real prefill worker).
+    #[command(flatten)]
+    pub destinations: DestinationArgs,
     #[command(flatten)]
     pub server: ServerArgs,
 }

@@ -145,8 +145,12 @@ impl Batcher {
                     None => return,
                 }
             }
-            while let Ok(job) = rx.try_recv() {
-                self.intake(job);
+            // At most --max-queue waiting sequences, as the real engine.
+            while self.waiting.len() < self.cfg.limits.max_queue.max(1) {
+                match rx.try_recv() {
+                    Ok(job) => self.intake(job),
+                    Err(_) => break,
+                }
             }
             self.iteration().await;
             self.publish();

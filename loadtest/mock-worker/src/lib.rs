@@ -19,8 +19,8 @@ use std::sync::Arc;
 
 use pdserve_protocol::internal::LoadReport;
 use pdserve_text::ModelConfig;
-use pdserve_worker::decode::{DecodeMetrics, DecodeServer};
-use pdserve_worker::prefill::{PrefillMetrics, PrefillServer};
+use pdserve_worker::decode::{DecodeMetrics, DecodeNet, DecodeServer};
+use pdserve_worker::prefill::{PrefillMetrics, PrefillNet, PrefillServer};
 use pdserve_worker::{Readiness, Served, Service};
 
 pub use config::{Args, PoolKind};
@@ -40,6 +40,8 @@ pub enum BuildError {
     Shape(#[from] shape::ShapeError),
     #[error("latency model: {0}")]
     Latency(#[from] latency::FitError),
+    #[error("{0}")]
+    Flags(String),
 }
 
 impl BuildError {
@@ -48,6 +50,7 @@ impl BuildError {
             Self::Model(_) => "invalid_model",
             Self::Shape(e) => e.kind(),
             Self::Latency(e) => e.kind(),
+            Self::Flags(_) => "invalid_flags",
         }
     }
 }
@@ -65,6 +68,7 @@ pub enum Worker {
 pub fn build(args: &Args, public_url: String) -> Result<Worker, BuildError> {
     let shape = MockShape::new(ModelConfig::from_gguf_file(&args.model)?)?;
     let latency = args.latency.model()?;
+    let token = args.server.auth.token();
     tracing::info!(
         ?latency,
         fingerprint = shape.kv.fingerprint,
@@ -78,7 +82,8 @@ pub fn build(args: &Args, public_url: String) -> Result<Worker, BuildError> {
             };
             let metrics = Arc::new(DecodeMetrics::new());
             let backend = MockDecode::spawn(shape, cfg, metrics.clone());
-            Worker::Decode(DecodeServer::new(backend, metrics, public_url))
+            let net = DecodeNet::new(token, &args.decode);
+            Worker::Decode(DecodeServer::new(backend, metrics, public_url, net))
         }
         PoolKind::Prefill => {
             let cfg = EngineConfig {
@@ -90,9 +95,11 @@ pub fn build(args: &Args, public_url: String) -> Result<Worker, BuildError> {
                 queue_capacity: args.decode.max_queue,
                 kv_dtype: args.kv_dtype,
             };
+            let net = PrefillNet::from_args(&args.server, &args.destinations)
+                .map_err(BuildError::Flags)?;
             let metrics = Arc::new(PrefillMetrics::new());
             let backend = MockPrefill::spawn(cfg, metrics.clone());
-            Worker::Prefill(PrefillServer::new(backend, metrics))
+            Worker::Prefill(PrefillServer::new(backend, metrics, net))
         }
     })
 }

@@ -1,10 +1,13 @@
 use clap::Parser;
 use pdserve_mock_worker::{build, Args};
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     pdserve_runtime::telemetry::init(&args.server.telemetry);
+    pdserve_runtime::run(serve(args))
+}
+
+async fn serve(args: Args) -> anyhow::Result<()> {
     tracing::info!(?args, "starting a mock worker");
     let (listener, url) = args.server.bind(args.port).await?;
     let worker = build(&args, url.clone())?;

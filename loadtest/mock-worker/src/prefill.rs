@@ -16,7 +16,7 @@ use pdserve_protocol::prefix::PrefixDigest;
 use pdserve_text::ModelConfig;
 use pdserve_worker::kv::KvArgs;
 use pdserve_worker::prefill::{
-    cancelled, upload_stopped, Computed, PrefillBackend, PrefillMetrics, PrefillTask as Task,
+    cancelled, Computed, PrefillBackend, PrefillMetrics, PrefillTask as Task,
 };
 use pdserve_worker::queue::{EngineQueue, EngineStats};
 use tokio::sync::mpsc;
@@ -244,14 +244,14 @@ impl Engine {
         }
     }
 
-    /// Hands a frame to the upload; waits when the network is slower than compute.
+    /// Hands a frame to the upload, without waiting (as the real engine: a
+    /// slow receiver fails this job only).
     async fn send(&self, task: &Task, frame: Vec<u8>) -> Result<u64, ErrorBody> {
         let n = frame.len() as u64;
-        tokio::select! {
-            biased;
-            _ = task.cancel.cancelled() => return Err(cancelled()),
-            r = task.frames.send(Bytes::from(frame)) => r.map_err(|_| upload_stopped())?,
+        if task.cancel.is_cancelled() {
+            return Err(cancelled());
         }
+        task.frames.send(Bytes::from(frame))?;
         self.metrics.kv_transfer_bytes.inc_by(n);
         Ok(n)
     }

@@ -59,7 +59,14 @@ async fn prefill_streams_real_kv_that_the_decode_worker_accepts() {
     let p = spawn(
         &model,
         "prefill",
-        &["--latency-scale", "0", "--prefill-chunk-tokens", "16"],
+        &[
+            "--latency-scale",
+            "0",
+            "--prefill-chunk-tokens",
+            "16",
+            "--decode-url",
+            d.url.as_str(),
+        ],
     )
     .await;
     let body = generate_body(
@@ -142,7 +149,14 @@ async fn long_prompts_take_longer_to_prefill() {
     let p = spawn(
         &model,
         "prefill",
-        &["--prefill-ms-per-token", "1", "--prefill-fixed-ms", "0"],
+        &[
+            "--prefill-ms-per-token",
+            "1",
+            "--prefill-fixed-ms",
+            "0",
+            "--decode-url",
+            d.url.as_str(),
+        ],
     )
     .await;
     let body = generate_body("long", 400, json!({"max_tokens": 1}), remote(30_000));
@@ -166,7 +180,14 @@ async fn a_full_queue_is_overloaded_and_a_delete_cancels() {
     let p = spawn(
         &model,
         "prefill",
-        &["--max-queue", "1", "--prefill-fixed-ms", "100000"],
+        &[
+            "--max-queue",
+            "1",
+            "--prefill-fixed-ms",
+            "100000",
+            "--decode-url",
+            d.url.as_str(),
+        ],
     )
     .await;
     let (mut jobs, mut streams) = (Vec::new(), Vec::new());

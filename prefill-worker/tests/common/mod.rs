@@ -18,6 +18,7 @@ use pdserve_engine::{LoadOptions, Model, WeightFormat};
 use pdserve_prefill::EngineConfig;
 use pdserve_protocol::internal::{ErrorBody, PrefillJob, SamplingSpec};
 use pdserve_testkit::tiny::{TinyModel, TinyModelSpec};
+use pdserve_worker::prefill::frames::{self, FrameReceiver};
 use pdserve_worker::prefill::{Computed, PrefillTask as Task};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
@@ -80,13 +81,17 @@ pub fn job(id: &str, prompt: Vec<u32>, kv_destination: &str) -> PrefillJob {
 
 /// A task for the engine, the receiving end of its frames and its reply.
 pub struct TaskEnds {
-    pub frames: mpsc::Receiver<Bytes>,
+    pub frames: FrameReceiver,
     pub reply: oneshot::Receiver<Result<Computed, ErrorBody>>,
     pub cancel: CancellationToken,
 }
 
-pub fn task(job: PrefillJob, frame_capacity: usize) -> (Task, TaskEnds) {
-    let (frames_tx, frames) = mpsc::channel(frame_capacity);
+/// Frames without a byte cap.
+pub const UNCAPPED: u64 = u64::MAX;
+
+/// A task whose frames may queue up to `cap_bytes` unread.
+pub fn task(job: PrefillJob, cap_bytes: u64) -> (Task, TaskEnds) {
+    let (frames_tx, frames) = frames::channel(cap_bytes);
     let (reply_tx, reply) = oneshot::channel();
     let cancel = CancellationToken::new();
     let task = Task {
@@ -153,7 +158,7 @@ impl KvSink {
             bodies: bodies.clone(),
         };
         let app = axum::Router::new()
-            .route("/kv/{id}", post(receive))
+            .route("/v1/internal/kv/{id}", post(receive))
             .with_state(state);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -167,7 +172,7 @@ impl KvSink {
     }
 
     pub fn url_for(&self, id: &str) -> String {
-        format!("{}/kv/{id}", self.url)
+        format!("{}/v1/internal/kv/{id}", self.url)
     }
 
     pub fn open(&self) {

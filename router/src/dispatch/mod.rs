@@ -132,8 +132,10 @@ impl Dispatcher {
         cfg: DispatchConfig,
         policies: (Box<dyn Policy>, Box<dyn Policy>),
         metrics: Arc<RouterMetrics>,
+        token: &pdserve_runtime::auth::InternalToken,
     ) -> Self {
         let client = reqwest::Client::builder()
+            .default_headers(token.client_headers())
             .connect_timeout(cfg.connect_timeout)
             .tcp_nodelay(true)
             .build()
@@ -224,6 +226,7 @@ impl Dispatcher {
             reserve_tokens: (req.prompt.len() + req.sampling.max_tokens as usize) as u64,
             prompt: &req.prompt,
         };
+        self.check_fits(info.reserve_tokens)?;
         let mut tried = Vec::new();
         let mut last = ApiError::NoWorker(Pool::Decode);
         for _ in 0..self.cfg.decode_attempts {
@@ -246,6 +249,28 @@ impl Dispatcher {
             }
         }
         Err(last)
+    }
+
+    /// A 400 for a sequence that no ready decode worker's whole KV cache
+    /// could hold (when every one has reported its size): no retry can help.
+    fn check_fits(&self, tokens: u64) -> Result<(), ApiError> {
+        let sizes: Vec<u64> = self
+            .registry
+            .candidates(Pool::Decode, None)
+            .iter()
+            .map(|w| w.load.kv_used_tokens.saturating_add(w.load.kv_free_tokens))
+            .collect();
+        let largest = sizes.iter().copied().max().unwrap_or(0);
+        if sizes.is_empty() || sizes.contains(&0) || tokens <= largest {
+            return Ok(());
+        }
+        Err(ApiError::Invalid {
+            param: Some("max_tokens"),
+            message: format!(
+                "the prompt and max_tokens need {tokens} tokens of KV cache; the largest decode \
+                 worker holds {largest}: shorten the prompt or lower max_tokens"
+            ),
+        })
     }
 
     async fn try_decode(

@@ -59,6 +59,8 @@ impl Health {
 struct Entry {
     pool: Pool,
     source: Source,
+    /// The id it registered with, if it registered.
+    worker_id: Option<String>,
     fingerprint: Option<u64>,
     load: LoadReport,
     health: Health,
@@ -122,6 +124,7 @@ impl Registry {
         let entry = map.entry(url.to_string()).or_insert_with(|| Entry {
             pool,
             source,
+            worker_id: None,
             fingerprint,
             load: LoadReport::default(),
             health: Health::Starting,
@@ -139,7 +142,28 @@ impl Registry {
         }
     }
 
-    pub fn register(&self, reg: &WorkerRegistration) {
+    /// Registers a worker at `reg.url` (already checked and normalised).
+    /// Refused: a URL known in the other pool, a URL another worker id
+    /// registered, an id registered at another URL.
+    pub fn register(&self, reg: &WorkerRegistration) -> Result<(), String> {
+        let map = self.lock();
+        if let Some(e) = map.get(&reg.url) {
+            if e.pool != reg.pool {
+                return Err(format!("{} is a {:?} worker", reg.url, e.pool));
+            }
+            if e.worker_id.is_some() && e.worker_id != reg.worker_id {
+                return Err(format!("{} is registered by another worker", reg.url));
+            }
+        }
+        if let Some(id) = &reg.worker_id {
+            let elsewhere = map
+                .iter()
+                .find(|(url, e)| e.worker_id.as_ref() == Some(id) && **url != reg.url);
+            if let Some((url, _)) = elsewhere {
+                return Err(format!("worker id {id:?} is registered at {url}"));
+            }
+        }
+        drop(map);
         tracing::info!(url = %reg.url, pool = ?reg.pool, weights = %reg.weights, "worker registered");
         self.insert(
             reg.pool,
@@ -147,6 +171,10 @@ impl Registry {
             Source::Registered,
             Some(reg.model_fingerprint),
         );
+        if let Some(e) = self.lock().get_mut(&reg.url) {
+            e.worker_id = reg.worker_id.clone();
+        }
+        Ok(())
     }
 
     /// Records a heartbeat; false when the worker is unknown (it should register again).
@@ -154,10 +182,22 @@ impl Registry {
         self.record_load(&hb.url, hb.load.clone())
     }
 
+    /// Forgets a registered worker; static and DNS workers stay (their
+    /// list, not a request, says whether they exist).
     pub fn deregister(&self, url: &str) {
-        if self.lock().remove(url).is_some() {
+        let mut map = self.lock();
+        if map.get(url).is_some_and(|e| e.source == Source::Registered) {
+            map.remove(url);
             tracing::info!(%url, "worker deregistered");
         }
+    }
+
+    /// Every worker: its URL, pool and health.
+    pub fn list(&self) -> Vec<(String, Pool, Health)> {
+        let map = self.lock();
+        map.iter()
+            .map(|(url, e)| (url.clone(), e.pool, e.health))
+            .collect()
     }
 
     pub fn add_static(&self, pool: Pool, url: &str) {
@@ -174,7 +214,8 @@ impl Registry {
     }
 
     /// A good load report (poll or heartbeat); false when the worker is unknown.
-    pub fn record_load(&self, url: &str, mut load: LoadReport) -> bool {
+    pub fn record_load(&self, url: &str, load: LoadReport) -> bool {
+        let mut load = load.sanitized();
         let digest = load.prefix_cache.take();
         let mut map = self.lock();
         let Some(e) = map.get_mut(url) else {
@@ -330,12 +371,13 @@ impl Registry {
             .values()
             .filter(|e| e.pool == pool && e.health != Health::Down)
         {
-            sum.queued_requests += e.load.queued_requests;
-            sum.queued_tokens += e.load.queued_tokens;
-            sum.active_sequences += e.load.active_sequences;
-            sum.kv_used_tokens += e.load.kv_used_tokens;
-            sum.kv_free_tokens += e.load.kv_free_tokens;
-            sum.tokens_per_second += e.load.tokens_per_second;
+            let l = &e.load;
+            sum.queued_requests = sum.queued_requests.saturating_add(l.queued_requests);
+            sum.queued_tokens = sum.queued_tokens.saturating_add(l.queued_tokens);
+            sum.active_sequences = sum.active_sequences.saturating_add(l.active_sequences);
+            sum.kv_used_tokens = sum.kv_used_tokens.saturating_add(l.kv_used_tokens);
+            sum.kv_free_tokens = sum.kv_free_tokens.saturating_add(l.kv_free_tokens);
+            sum.tokens_per_second += l.tokens_per_second;
             sum.ready |= e.health == Health::Ready;
         }
         sum
@@ -360,13 +402,14 @@ mod tests {
             url: url.into(),
             model_fingerprint: fp,
             weights: "q8_0".into(),
+            worker_id: None,
         }
     }
 
     #[test]
     fn workers_take_work_only_once_ready() {
         let r = Registry::default();
-        r.register(&reg(Pool::Prefill, "http://p1", 1));
+        r.register(&reg(Pool::Prefill, "http://p1", 1)).unwrap();
         assert!(r.candidates(Pool::Prefill, None).is_empty());
         assert!(r.heartbeat(&Heartbeat {
             url: "http://p1".into(),
@@ -409,7 +452,7 @@ mod tests {
     #[test]
     fn silent_registered_workers_expire_and_static_ones_go_down() {
         let r = Registry::default();
-        r.register(&reg(Pool::Decode, "http://d1", 1));
+        r.register(&reg(Pool::Decode, "http://d1", 1)).unwrap();
         r.add_static(Pool::Decode, "http://d2/");
         r.record_load("http://d2", ready(0));
         r.expire(Duration::ZERO);
@@ -489,5 +532,59 @@ mod tests {
         r.record_load("http://d", with(Some(PrefixDigest::new(16, 3, hashes))));
         r.record_load("http://d", with(None));
         assert!(r.candidates(Pool::Decode, None)[0].prefix.is_none());
+    }
+
+    #[test]
+    fn a_registration_cannot_take_over_another_workers_url_or_id() {
+        let r = Registry::default();
+        let with_id = |pool, url: &str, id: &str| WorkerRegistration {
+            worker_id: Some(id.into()),
+            ..reg(pool, url, 1)
+        };
+        r.register(&with_id(Pool::Decode, "http://d1:1", "a"))
+            .unwrap();
+        // The same worker again (a router restart, a lost answer): fine.
+        r.register(&with_id(Pool::Decode, "http://d1:1", "a"))
+            .unwrap();
+        // Its id from another URL, or its URL under another id or pool: no.
+        assert!(r
+            .register(&with_id(Pool::Decode, "http://evil:1", "a"))
+            .is_err());
+        assert!(r
+            .register(&with_id(Pool::Decode, "http://d1:1", "b"))
+            .is_err());
+        assert!(r
+            .register(&with_id(Pool::Prefill, "http://d1:1", "a"))
+            .is_err());
+        r.add_static(Pool::Prefill, "http://p1:1");
+        assert!(r
+            .register(&with_id(Pool::Decode, "http://p1:1", "c"))
+            .is_err());
+        // A deregistration removes registered workers, never listed ones.
+        r.deregister("http://p1:1");
+        r.deregister("http://d1:1");
+        let urls: Vec<String> = r.list().into_iter().map(|(u, _, _)| u).collect();
+        assert_eq!(urls, vec!["http://p1:1".to_string()]);
+    }
+
+    #[test]
+    fn reported_numbers_are_clamped_and_sums_saturate() {
+        let r = Registry::default();
+        for url in ["http://a:1", "http://b:1"] {
+            r.add_static(Pool::Decode, url);
+            let load = LoadReport {
+                kv_free_tokens: u64::MAX,
+                tokens_per_second: f64::NAN,
+                ready: true,
+                ..Default::default()
+            };
+            assert!(r.record_load(url, load));
+        }
+        let sum = r.pool_load(Pool::Decode);
+        assert_eq!(
+            sum.kv_free_tokens,
+            2 * pdserve_protocol::internal::MAX_REPORTED
+        );
+        assert_eq!(sum.tokens_per_second, 0.0);
     }
 }

@@ -74,13 +74,19 @@ pub async fn cluster(opts: Opts<'_>) -> Cluster {
         decode.push(worker);
         decode_urls.push(url);
     }
+    let mut all_decode = decode_urls.clone();
+    all_decode.extend(opts.extra_decode.iter().cloned());
+    // A prefill worker streams KV only to decode workers it knows.
+    let known = format!("--decode-url={}", all_decode.join(","));
+    let mut prefill_args = opts.mock_args.to_vec();
+    if !all_decode.is_empty() {
+        prefill_args.push(&known);
+    }
     for _ in 0..opts.prefill {
-        prefill_urls.push(mock(&model, "prefill", opts.mock_args).await.0);
+        prefill_urls.push(mock(&model, "prefill", &prefill_args).await.0);
     }
     let mut all_prefill = prefill_urls.clone();
     all_prefill.extend(opts.extra_prefill.iter().cloned());
-    let mut all_decode = decode_urls.clone();
-    all_decode.extend(opts.extra_decode.iter().cloned());
     let router = router(model.arg(), &all_prefill, &all_decode, opts.router_args).await;
     Cluster {
         url: router.0,

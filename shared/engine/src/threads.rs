@@ -5,19 +5,31 @@
 //! (`RAYON_NUM_THREADS`). Both are sized once, at first use, so a process must
 //! call [`configure`] before it loads a model.
 
-/// Sizes both pools to `threads` (0 = one per available core). Values already
-/// set in the environment win. Returns the thread count in effect.
-pub fn configure(threads: usize) -> usize {
-    let n = match threads {
+fn count(threads: usize) -> usize {
+    match threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
-    };
+    }
+}
+
+/// Sets `RAYON_NUM_THREADS` and `CANDLE_NUM_THREADS` to `threads` (0 = one
+/// per core) where the environment does not already. A binary calls it
+/// first thing in `main`, before its async runtime or any other thread
+/// exists (setting the environment is only sound then).
+pub fn set_env(threads: usize) {
+    let n = count(threads);
     for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
         if std::env::var_os(var).is_none() {
-            // Called at start-up, before any pool or model thread exists.
             std::env::set_var(var, n.to_string());
         }
     }
+}
+
+/// Sizes rayon's pool to `threads` (0 = one per available core), or to
+/// `RAYON_NUM_THREADS` when set; candle's pool reads `CANDLE_NUM_THREADS`
+/// ([`set_env`]) at first use. Returns the thread count in effect.
+pub fn configure(threads: usize) -> usize {
+    let n = count(threads);
     let rayon_n = std::env::var("RAYON_NUM_THREADS")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -3,6 +3,7 @@
 use pdserve_protocol::internal::{ErrorBody, ErrorKind};
 use pdserve_protocol::kvwire;
 
+use crate::error::EngineError;
 use crate::kv::{KvDtype, KvError};
 
 impl From<kvwire::KvDtype> for KvDtype {
@@ -35,6 +36,19 @@ impl From<&KvError> for ErrorBody {
     }
 }
 
+impl From<&EngineError> for ErrorBody {
+    /// The caller's fault (invalid input; a KV request that cannot fit) is
+    /// fatal; a failure of the engine itself (a tensor operation, the model
+    /// or tokenizer at run time) is retryable on another worker.
+    fn from(e: &EngineError) -> Self {
+        match e {
+            EngineError::InvalidInput(_) => Self::fatal(ErrorKind::InvalidInput, e.to_string()),
+            EngineError::Kv(kv) => Self::from(kv),
+            _ => Self::retryable(ErrorKind::from_name(e.kind()), e.to_string()),
+        }
+    }
+}
+
 impl crate::Model {
     /// The model as the KV stream sees it.
     pub fn kv_shape(&self) -> kvwire::KvShape {
@@ -45,5 +59,24 @@ impl crate::Model {
             n_kv_heads: layout.n_kv_heads as u32,
             head_dim: layout.head_dim as u32,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdserve_protocol::internal::ErrorClass;
+
+    #[test]
+    fn engine_failures_are_retryable_and_the_callers_faults_fatal() {
+        let tensor = EngineError::Candle(candle_core::Error::Msg("boom".into()));
+        assert_eq!(ErrorBody::from(&tensor).class, ErrorClass::Retryable);
+        let input = EngineError::InvalidInput("token 99999".into());
+        assert_eq!(ErrorBody::from(&input).class, ErrorClass::Fatal);
+        let full = EngineError::Kv(KvError::CapacityExceeded {
+            needed: 10,
+            capacity: 5,
+        });
+        assert_eq!(ErrorBody::from(&full).class, ErrorClass::Fatal);
     }
 }

@@ -57,6 +57,11 @@ error_kinds! {
     /// Prompt plus `max_tokens` over the model's context window.
     ContextLengthExceeded => "context_length_exceeded",
     DuplicateRequestId => "duplicate_request_id",
+    /// An internal call without the right `Authorization: Bearer` token.
+    Unauthorized => "unauthorized",
+    /// A prefill job's `kv_destination` is not the reservation URL of a
+    /// known decode worker.
+    KvDestinationRefused => "kv_destination_refused",
     /// The caller cancelled the job (`DELETE`, or it went away).
     Cancelled => "cancelled",
     /// The sampler refused the logits.

@@ -190,6 +190,35 @@ pub struct LoadReport {
     pub prefix_cache: Option<PrefixDigest>,
 }
 
+/// The largest count a load report may carry: sums over many workers of
+/// numbers this size cannot overflow.
+pub const MAX_REPORTED: u64 = 1 << 48;
+
+impl LoadReport {
+    /// The report with every number clamped to what a worker can honestly
+    /// report: counts to [`MAX_REPORTED`], throughput finite and at most
+    /// 1e12 tokens a second. A buggy or hostile worker cannot overflow the
+    /// router's sums or poison its scores.
+    pub fn sanitized(mut self) -> Self {
+        for n in [
+            &mut self.queued_requests,
+            &mut self.queued_tokens,
+            &mut self.active_sequences,
+            &mut self.kv_used_tokens,
+            &mut self.kv_free_tokens,
+        ] {
+            *n = (*n).min(MAX_REPORTED);
+        }
+        let tps = self.tokens_per_second;
+        self.tokens_per_second = if tps.is_finite() {
+            tps.clamp(0.0, 1e12)
+        } else {
+            0.0
+        };
+        self
+    }
+}
+
 /// A worker's KV cache, as its load report and metrics show it (built by
 /// the engine, read by the worker layer; not itself sent).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -233,6 +262,25 @@ pub struct WorkerRegistration {
     pub model_fingerprint: u64,
     /// `q8_0`, `f32` or `native`.
     pub weights: String,
+    /// The worker's identity across re-registrations: the router refuses an
+    /// id it knows at another URL. Absent from older workers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_id: Option<String>,
+}
+
+/// `GET /v1/internal/workers[?pool=decode]` on the router: the workers it
+/// knows. A prefill worker checks KV destinations against the decode ones.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerList {
+    pub workers: Vec<WorkerListing>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerListing {
+    pub url: String,
+    pub pool: Pool,
+    /// `starting`, `ready`, `draining` or `down`.
+    pub health: String,
 }
 
 /// `POST /v1/internal/workers/heartbeat` on the router, every few hundred ms.

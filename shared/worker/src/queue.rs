@@ -15,6 +15,11 @@ pub struct EngineStats {
     queued_tokens: AtomicU64,
     /// Requests taken off the queue and not finished.
     running: AtomicU64,
+    /// Of those, the ones the engine holds but does not run yet (a decode
+    /// engine's prefilling or waiting sequences), and their prompt tokens
+    /// still to prefill: reported as queued.
+    waiting_requests: AtomicU64,
+    waiting_tokens: AtomicU64,
     /// Tokens per second of the last step or job, as f64 bits.
     tokens_per_second: AtomicU64,
     /// Numbers the load reports (see [`EngineStats::acknowledge`]).
@@ -36,6 +41,13 @@ impl EngineStats {
 
     pub fn set_running(&self, n: u64) {
         self.running.store(n, Ordering::Relaxed);
+    }
+
+    /// Of the running requests, `n` wait inside the engine with `tokens`
+    /// prompt tokens still to prefill.
+    pub fn set_waiting(&self, n: u64, tokens: u64) {
+        self.waiting_requests.store(n, Ordering::Relaxed);
+        self.waiting_tokens.store(tokens, Ordering::Relaxed);
     }
 
     /// Queued plus running.
@@ -96,11 +108,13 @@ impl EngineStats {
         // Numbered before the counters are read: it counts all work
         // acknowledged with a lower number.
         let report_seq = self.report_seq.fetch_add(1, Ordering::AcqRel) + 1;
+        let waiting = self.waiting_requests.load(Ordering::Relaxed);
+        let waiting_tokens = self.waiting_tokens.load(Ordering::Relaxed);
         LoadReport {
             report_seq,
-            queued_requests: self.queued_requests(),
-            queued_tokens: self.queued_tokens(),
-            active_sequences: self.running(),
+            queued_requests: self.queued_requests().saturating_add(waiting),
+            queued_tokens: self.queued_tokens().saturating_add(waiting_tokens),
+            active_sequences: self.running().saturating_sub(waiting),
             kv_used_tokens: 0,
             kv_free_tokens: 0,
             tokens_per_second: self.tokens_per_second(),

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 use pdserve_protocol::internal::{Deregistration, Heartbeat, LoadReport, WorkerRegistration};
+use pdserve_runtime::auth::{InternalToken, Secret};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -20,18 +21,26 @@ pub struct RegistrationArgs {
     /// Milliseconds between heartbeats.
     #[arg(long, env = "PDSERVE_HEARTBEAT_MS", default_value_t = 500)]
     pub heartbeat_ms: u64,
+    /// This worker's identity at the router (default: random per process).
+    /// The router refuses a known id registering from another URL.
+    #[arg(long, env = "PDSERVE_WORKER_ID")]
+    pub worker_id: Option<String>,
 }
 
 /// Starts [`spawn`] when the worker was given `--router-url`.
 pub fn start(
     args: &RegistrationArgs,
-    registration: WorkerRegistration,
+    token: &InternalToken,
+    mut registration: WorkerRegistration,
     load: Arc<dyn Fn() -> LoadReport + Send + Sync>,
     stop: CancellationToken,
 ) -> Option<tokio::task::JoinHandle<()>> {
     let router = args.router_url.clone()?;
     let every = Duration::from_millis(args.heartbeat_ms);
-    Some(spawn(router, registration, every, load, stop))
+    let id = args.worker_id.clone();
+    registration.worker_id =
+        Some(id.unwrap_or_else(|| Secret::generate().expose()[..16].to_string()));
+    Some(spawn(router, registration, every, token, load, stop))
 }
 
 /// Waits (briefly) for the deregistration to reach the router, so a worker
@@ -47,11 +56,14 @@ pub fn spawn(
     router_url: String,
     registration: WorkerRegistration,
     every: Duration,
+    token: &InternalToken,
     load: Arc<dyn Fn() -> LoadReport + Send + Sync>,
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
+    let headers = token.client_headers();
     tokio::spawn(async move {
         let client = reqwest::Client::builder()
+            .default_headers(headers)
             .timeout(Duration::from_secs(2))
             .build()
             .unwrap_or_default();
@@ -136,6 +148,7 @@ mod tests {
             url: "http://127.0.0.1:1".into(),
             model_fingerprint: 7,
             weights: "q8_0".into(),
+            worker_id: None,
         };
         let load = Arc::new(|| LoadReport {
             queued_requests: 3,
@@ -143,7 +156,15 @@ mod tests {
             ..Default::default()
         });
         let stop = CancellationToken::new();
-        let task = spawn(router, reg, Duration::from_millis(20), load, stop.clone());
+        let token = InternalToken::default();
+        let task = spawn(
+            router,
+            reg,
+            Duration::from_millis(20),
+            &token,
+            load,
+            stop.clone(),
+        );
         for _ in 0..200 {
             if seen
                 .lock()
@@ -179,6 +200,7 @@ mod tests {
             url: "http://127.0.0.1:1".into(),
             model_fingerprint: 1,
             weights: "q8_0".into(),
+            worker_id: None,
         };
         let stop = CancellationToken::new();
         let load = Arc::new(LoadReport::default);
@@ -186,6 +208,7 @@ mod tests {
             "http://127.0.0.1:9".into(),
             reg,
             Duration::from_millis(10),
+            &InternalToken::default(),
             load,
             stop.clone(),
         );

@@ -6,10 +6,13 @@ use std::time::Duration;
 
 use clap::Args;
 use pdserve_protocol::internal::{LoadReport, Pool, WorkerRegistration};
+use pdserve_runtime::auth::InternalAuthArgs;
 use pdserve_runtime::shutdown::{self, Drain, DrainArgs};
 use pdserve_runtime::telemetry::TelemetryArgs;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+
+use pdserve_runtime::auth::InternalToken;
 
 use crate::readiness::Readiness;
 use crate::registration::{self, RegistrationArgs};
@@ -29,6 +32,8 @@ pub struct ServerArgs {
     pub drain: DrainArgs,
     #[command(flatten)]
     pub registration: RegistrationArgs,
+    #[command(flatten)]
+    pub auth: InternalAuthArgs,
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }
@@ -59,25 +64,33 @@ pub trait Served: Send + Sync + 'static {
     fn metrics_page(&self) -> axum::response::Response;
 }
 
-/// The routes every worker has: `/health`, `/ready` (503 while draining),
-/// `/load` and `/metrics`.
-pub fn common_routes<S: Served>() -> axum::Router<Arc<S>> {
+/// A worker's routes: `internal` and `/load` behind the internal token,
+/// and the open ones, `/health`, `/ready` (503 while draining) and `/metrics`.
+pub fn worker_routes<S: Served>(
+    server: &Arc<S>,
+    token: &InternalToken,
+    internal: axum::Router<Arc<S>>,
+) -> axum::Router {
     use axum::extract::State;
     use axum::routing::get;
-    axum::Router::new()
+    let internal = internal.route(
+        "/load",
+        get(|State(s): State<Arc<S>>| async move { axum::Json(s.load_report()) }),
+    );
+    let open = axum::Router::new()
         .route("/health", get(|| async { "ok" }))
         .route(
             "/ready",
             get(|State(s): State<Arc<S>>| async move { s.readiness().status() }),
         )
         .route(
-            "/load",
-            get(|State(s): State<Arc<S>>| async move { axum::Json(s.load_report()) }),
-        )
-        .route(
             "/metrics",
             get(|State(s): State<Arc<S>>| async move { s.metrics_page() }),
-        )
+        );
+    token
+        .protect(internal)
+        .merge(open)
+        .with_state(server.clone())
 }
 
 /// A built worker, ready to serve: its routes, what it registers as, its
@@ -110,6 +123,7 @@ impl Service {
                 url,
                 model_fingerprint: fingerprint,
                 weights: weights.to_string(),
+                worker_id: None,
             },
             load: Arc::new(move || load.load_report()),
             stop_accepting: Box::new(move || stop.readiness().stop()),
@@ -127,8 +141,11 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let token = CancellationToken::new();
     shutdown::cancel_on_signal(token.clone());
+    let internal = args.auth.token();
+    internal.warn_if_unset("worker");
     let registered = registration::start(
         &args.registration,
+        &internal,
         service.registration,
         service.load,
         token.clone(),

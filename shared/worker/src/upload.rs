@@ -2,17 +2,17 @@
 //! go to the decode worker's ingest URL in one streamed POST.
 
 use axum::http::header;
-use bytes::Bytes;
 use futures_util::StreamExt;
 use pdserve_protocol::internal::{ErrorBody, ErrorKind};
-use tokio::sync::mpsc;
+
+use crate::prefill::frames::FrameReceiver;
 
 /// Streams `frames` to `url` until the sender side closes; the decode
 /// worker's error, when it refuses the stream, is returned as it sent it.
 pub async fn upload(
     client: &reqwest::Client,
     url: &str,
-    mut frames: mpsc::Receiver<Bytes>,
+    mut frames: FrameReceiver,
 ) -> Result<(), ErrorBody> {
     let stream =
         futures_util::stream::poll_fn(move |cx| frames.poll_recv(cx)).map(Ok::<_, std::io::Error>);

@@ -5,13 +5,13 @@
 //! its first token, to the backend.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::Json;
 use futures_util::StreamExt;
-use pdserve_protocol::internal::{ErrorBody, ErrorKind};
+use pdserve_protocol::internal::{ErrorBody, ErrorKind, GenerateEvent};
 use pdserve_protocol::kvwire::{self, KvDtype, KvEvent, KvLimits, KvStreamDecoder, LayerFrame};
 use pdserve_text::Sampled;
 
@@ -40,7 +40,8 @@ pub(super) async fn ingest<B: DecodeBackend>(
         )));
     };
     let started = Instant::now();
-    match receive(&server.backend, &request_id, &mut pending, body).await {
+    let idle = server.net.kv_idle_timeout;
+    match receive(&server.backend, &request_id, &mut pending, body, idle).await {
         Ok((first, bytes)) => {
             server
                 .metrics
@@ -72,6 +73,7 @@ async fn receive<B: DecodeBackend>(
     request_id: &str,
     pending: &mut Pending<B::Kv>,
     body: Body,
+    idle: Duration,
 ) -> Result<(Sampled, u64), ErrorBody> {
     let n_tokens = pending.prompt.len();
     // The stream carries only what the reservation does not hold already.
@@ -82,7 +84,13 @@ async fn receive<B: DecodeBackend>(
     let mut decoder = KvStreamDecoder::new(KvLimits::default());
     let mut stream = body.into_data_stream();
     let (mut bytes, mut dtype) = (0u64, KvDtype::F32);
-    while let Some(chunk) = stream.next().await {
+    loop {
+        let Ok(next) = tokio::time::timeout(idle, stream.next()).await else {
+            let ms = idle.as_millis();
+            let msg = format!("the KV upload sent nothing for {ms} ms");
+            return Err(ErrorBody::retryable(ErrorKind::KvStreamBroken, msg));
+        };
+        let Some(chunk) = next else { break };
         let chunk =
             chunk.map_err(|e| ErrorBody::retryable(ErrorKind::KvStreamBroken, e.to_string()))?;
         bytes += chunk.len() as u64;
@@ -138,14 +146,23 @@ fn import(kv: &mut impl KvImport, dtype: KvDtype, frame: &LayerFrame) -> Result<
     Ok(())
 }
 
+/// Hands the sequence to the engine. A refusal (a bad first token, a full
+/// queue) also ends the client's stream with the error, so the router
+/// retries or answers instead of seeing a stream that just stops.
 fn admit<B: DecodeBackend>(
     server: &DecodeServer<B>,
     request_id: String,
     pending: Pending<B::Kv>,
     first: Sampled,
 ) -> Result<(), ApiError> {
+    let (events, id) = (pending.events.clone(), request_id.clone());
+    let refuse = |e: ErrorBody| {
+        tracing::warn!(request_id = %id, "the sequence could not start after its KV arrived: {e}");
+        let _ = events.send(GenerateEvent::Error(e.clone()));
+        ApiError(e)
+    };
     if first.token as usize >= server.backend.config().vocab_size {
-        return Err(ApiError(ErrorBody::fatal(
+        return Err(refuse(ErrorBody::fatal(
             ErrorKind::KvBadFirstToken,
             "the first token is outside the vocabulary",
         )));
@@ -158,5 +175,5 @@ fn admit<B: DecodeBackend>(
         first: Some(first),
         events: pending.events,
     };
-    server.backend.submit(job).map_err(ApiError)
+    server.backend.submit(job).map_err(refuse)
 }

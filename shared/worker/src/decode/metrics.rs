@@ -92,10 +92,12 @@ impl DecodeMetrics {
     /// Publishes the engine's state after a scheduling round: `active`
     /// sequences in the batch, `waiting` taken but not in it (prefilling or
     /// waiting for a slot) with `waiting_tokens` prompt tokens still to
-    /// prefill. Also the engine's running count, for `/load` and the drain.
+    /// prefill. Also the engine's running count, for the drain, and its
+    /// waiting sequences, which `/load` reports as queued.
     pub fn publish(&self, stats: &EngineStats, active: usize, waiting: usize, waiting_tokens: u64) {
         let pool = [labels::POOL_DECODE];
         stats.set_running((active + waiting) as u64);
+        stats.set_waiting(waiting as u64, waiting_tokens);
         self.active_sequences
             .with_label_values(&pool)
             .set(active as i64);

@@ -18,6 +18,7 @@ mod sequence;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use axum::extract::DefaultBodyLimit;
 use axum::routing::post;
@@ -25,6 +26,7 @@ use axum::Router;
 use pdserve_protocol::internal::{ErrorBody, GenerateEvent, LoadReport, Pool, SamplingSpec};
 use pdserve_protocol::kvwire::{KvDtype, KvShape};
 use pdserve_protocol::prefix::PrefixDigest;
+use pdserve_runtime::auth::InternalToken;
 use pdserve_text::{ModelConfig, Sampled};
 use tokio::sync::mpsc;
 
@@ -34,7 +36,7 @@ pub use sequence::{retire_closed, Outcome, SeqStream};
 use crate::kv::{KvArgs, KvReport};
 use crate::queue::EngineStats;
 use crate::readiness::Readiness;
-use crate::server::{common_routes, Served, Service};
+use crate::server::{worker_routes, Served, Service};
 
 use lease::Pending;
 
@@ -64,6 +66,10 @@ pub struct DecodeArgs {
     /// (503, retryable).
     #[arg(long, env = "PDSERVE_MAX_QUEUE", default_value_t = 256)]
     pub max_queue: usize,
+    /// A KV upload that sends nothing for this long fails, and its
+    /// reservation waits for another upload until its lease ends.
+    #[arg(long, env = "PDSERVE_KV_IDLE_TIMEOUT_MS", default_value_t = 10_000)]
+    pub kv_idle_timeout_ms: u64,
 }
 
 /// A decode engine: the real model or a simulation of it.
@@ -126,6 +132,24 @@ pub struct DecodeJob<Kv> {
     pub events: mpsc::UnboundedSender<GenerateEvent>,
 }
 
+/// A decode worker's network settings.
+#[derive(Debug, Clone, Default)]
+pub struct DecodeNet {
+    /// What every internal route requires.
+    pub token: InternalToken,
+    /// How long a KV upload may send nothing.
+    pub kv_idle_timeout: Duration,
+}
+
+impl DecodeNet {
+    pub fn new(token: InternalToken, args: &DecodeArgs) -> Self {
+        Self {
+            token,
+            kv_idle_timeout: Duration::from_millis(args.kv_idle_timeout_ms.max(1)),
+        }
+    }
+}
+
 /// The decode worker's HTTP side over backend `B`.
 pub struct DecodeServer<B: DecodeBackend> {
     backend: B,
@@ -135,18 +159,25 @@ pub struct DecodeServer<B: DecodeBackend> {
     pending: Mutex<HashMap<String, Pending<B::Kv>>>,
     /// This worker's base URL as prefill workers reach it.
     public_url: String,
+    net: DecodeNet,
     readiness: Readiness,
 }
 
 impl<B: DecodeBackend> DecodeServer<B> {
     /// The server over a started backend that reports into `metrics`; KV
     /// ingest URLs name `public_url`.
-    pub fn new(backend: B, metrics: Arc<DecodeMetrics>, public_url: String) -> Arc<Self> {
+    pub fn new(
+        backend: B,
+        metrics: Arc<DecodeMetrics>,
+        public_url: String,
+        net: DecodeNet,
+    ) -> Arc<Self> {
         Arc::new(Self {
             backend,
             metrics,
             pending: Mutex::default(),
             public_url,
+            net,
             readiness: Readiness::default(),
         })
     }
@@ -175,12 +206,10 @@ impl<B: DecodeBackend> DecodeServer<B> {
 impl<B: DecodeBackend> Served for DecodeServer<B> {
     /// The worker's routes.
     fn routes(self: &Arc<Self>) -> Router {
-        Router::new()
+        let internal = Router::new()
             .route("/v1/internal/generate", post(generate::generate::<B>))
-            .route("/v1/internal/kv/{request_id}", post(ingest::ingest::<B>))
-            .merge(common_routes::<Self>())
-            .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-            .with_state(self.clone())
+            .route("/v1/internal/kv/{request_id}", post(ingest::ingest::<B>));
+        worker_routes(self, &self.net.token, internal).layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
     }
 
     /// The load report the router balances and scales on.

@@ -8,19 +8,16 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::Json;
-use bytes::Bytes;
 use futures_util::stream::{self, StreamExt};
 use pdserve_protocol::internal::{ErrorBody, ErrorKind, PrefillEvent, PrefillJob, PrefillResult};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::frames::{self, FrameReceiver};
 use super::{cancelled, Computed, PrefillBackend, PrefillServer, PrefillTask};
 use crate::http::{json_body, ndjson, ApiError};
 use crate::upload::upload;
-
-/// Frames queued between the engine and the upload.
-const FRAME_BUFFER: usize = 16;
 
 /// Cancels the job when the handler ends for any reason, including the
 /// router dropping the request; the engine stops after the current layer.
@@ -65,13 +62,19 @@ pub(super) async fn prefill<B: PrefillBackend>(
     State(server): State<Arc<PrefillServer<B>>>,
     body: Result<Json<PrefillJob>, JsonRejection>,
 ) -> Result<Response, ApiError> {
-    let job = json_body(body)?;
+    let mut job = json_body(body)?;
     server.readiness.admit()?;
     crate::validate::prefill(server.backend.config(), &job)?;
+    let net = &server.net;
+    net.destinations
+        .check(&job.kv_destination, &job.request_id)
+        .await?;
     let guard = JobGuard::track(&server, &job.request_id)?;
-    let (frames_tx, frames_rx) = mpsc::channel::<Bytes>(FRAME_BUFFER);
+    let (frames_tx, frames_rx) = frames::channel(net.upload_buffer_bytes);
     let (reply_tx, reply_rx) = oneshot::channel();
-    let deadline = Duration::from_millis(job.deadline_ms.max(1));
+    // The router's deadline, capped by this worker's own.
+    let deadline = Duration::from_millis(job.deadline_ms.max(1)).min(net.max_job);
+    job.deadline_ms = deadline.as_millis() as u64;
     let (id, tokens, url) = (
         job.request_id.clone(),
         job.prompt_tokens.len() as u32,
@@ -134,7 +137,7 @@ async fn until_deadline_or_cancel(
 async fn deliver<B: PrefillBackend>(
     server: &PrefillServer<B>,
     url: &str,
-    frames: mpsc::Receiver<Bytes>,
+    frames: FrameReceiver,
     reply: oneshot::Receiver<Result<Computed, ErrorBody>>,
 ) -> Result<Computed, ErrorBody> {
     let upload_started = Instant::now();

@@ -10,28 +10,33 @@
 //! answers on `task.reply`. It stops a task once `task.cancel` fires: that
 //! is how a `DELETE`, the router going away or a failed upload cancel it.
 
+mod destinations;
+pub mod frames;
 mod handler;
 mod metrics;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use axum::routing::{delete, post};
 use axum::Router;
-use bytes::Bytes;
 use pdserve_protocol::internal::{ErrorBody, ErrorKind, LoadReport, Pool, PrefillJob};
 use pdserve_protocol::prefix::PrefixDigest;
+use pdserve_runtime::auth::InternalToken;
 use pdserve_text::ModelConfig;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+pub use destinations::{DestinationArgs, Destinations};
+pub use frames::FrameSender;
 pub use metrics::PrefillMetrics;
 
 use crate::kv::KvReport;
 use crate::queue::EngineStats;
 use crate::readiness::Readiness;
-use crate::server::{common_routes, Served, Service};
+use crate::server::{worker_routes, Served, ServerArgs, Service};
 
 /// A prefill engine: the real model or a simulation of it.
 pub trait PrefillBackend: Send + Sync + 'static {
@@ -54,8 +59,9 @@ pub struct PrefillTask {
     pub enqueued: Instant,
     /// Fires when the job is no longer wanted; the engine stops at the next layer.
     pub cancel: CancellationToken,
-    /// Frames of the KV stream, read by the upload to the decode worker.
-    pub frames: mpsc::Sender<Bytes>,
+    /// Frames of the KV stream, read by the upload to the decode worker;
+    /// sending never blocks (a slow receiver fails this job only).
+    pub frames: FrameSender,
     pub reply: oneshot::Sender<Result<Computed, ErrorBody>>,
 }
 
@@ -84,10 +90,41 @@ pub fn upload_stopped() -> ErrorBody {
     )
 }
 
+/// A prefill worker's network settings: the internal token, where KV may
+/// go, a job's longest deadline and its KV buffer.
+pub struct PrefillNet {
+    pub token: InternalToken,
+    pub destinations: Destinations,
+    pub max_job: Duration,
+    pub upload_buffer_bytes: u64,
+}
+
+impl PrefillNet {
+    /// From a worker's server flags and its destination flags.
+    pub fn from_args(server: &ServerArgs, args: &DestinationArgs) -> Result<Self, String> {
+        let token = server.auth.token();
+        let router = server.registration.router_url.as_deref();
+        let destinations = Destinations::new(args, router, &token)?;
+        if !destinations.has_sources() {
+            tracing::warn!(
+                "no decode workers known (no --router-url, --decode-url or --decode-dns): \
+                 every prefill job will be refused"
+            );
+        }
+        Ok(Self {
+            token,
+            destinations,
+            max_job: Duration::from_secs(args.max_job_seconds.max(1)),
+            upload_buffer_bytes: args.kv_upload_buffer_bytes,
+        })
+    }
+}
+
 /// The prefill worker's HTTP side over backend `B`.
 pub struct PrefillServer<B> {
     backend: B,
     metrics: Arc<PrefillMetrics>,
+    net: PrefillNet,
     client: reqwest::Client,
     /// Cancellation tokens of jobs queued, running or delivering, by request id.
     jobs: Mutex<HashMap<String, CancellationToken>>,
@@ -96,11 +133,16 @@ pub struct PrefillServer<B> {
 
 impl<B: PrefillBackend> PrefillServer<B> {
     /// The server over a started backend that reports into `metrics`.
-    pub fn new(backend: B, metrics: Arc<PrefillMetrics>) -> Arc<Self> {
+    pub fn new(backend: B, metrics: Arc<PrefillMetrics>, net: PrefillNet) -> Arc<Self> {
+        let client = reqwest::Client::builder()
+            .default_headers(net.token.client_headers())
+            .build()
+            .unwrap_or_default();
         Arc::new(Self {
             backend,
             metrics,
-            client: reqwest::Client::new(),
+            net,
+            client,
             jobs: Mutex::default(),
             readiness: Readiness::default(),
         })
@@ -124,14 +166,13 @@ impl<B: PrefillBackend> PrefillServer<B> {
 impl<B: PrefillBackend> Served for PrefillServer<B> {
     /// The worker's routes.
     fn routes(self: &Arc<Self>) -> Router {
-        Router::new()
+        let internal = Router::new()
             .route("/v1/internal/prefill", post(handler::prefill::<B>))
             .route(
                 "/v1/internal/prefill/{request_id}",
                 delete(handler::cancel::<B>),
-            )
-            .merge(common_routes::<Self>())
-            .with_state(self.clone())
+            );
+        worker_routes(self, &self.net.token, internal)
     }
 
     /// The load report the router balances and scales on.
