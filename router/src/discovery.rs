@@ -106,17 +106,33 @@ pub async fn poll_once(registry: &Registry, client: &reqwest::Client) {
     let results = join_all(urls.iter().map(|u| fetch_load(client, u))).await;
     for (url, load) in urls.iter().zip(results) {
         match load {
-            Some(load) => {
+            Poll::Load(load) => {
                 registry.record_load(url, load);
             }
-            None => registry.poll_failed(url),
+            Poll::Failed => registry.poll_failed(url),
+            // This process ran out of file descriptors: says nothing of the worker.
+            Poll::NoDescriptors => {}
         }
     }
 }
 
-async fn fetch_load(client: &reqwest::Client, base: &str) -> Option<LoadReport> {
-    let resp = client.get(format!("{base}/load")).send().await.ok()?;
-    resp.error_for_status().ok()?.json().await.ok()
+enum Poll {
+    Load(LoadReport),
+    Failed,
+    NoDescriptors,
+}
+
+async fn fetch_load(client: &reqwest::Client, base: &str) -> Poll {
+    let resp = match client.get(format!("{base}/load")).send().await {
+        Ok(r) => r,
+        Err(e) if pdserve_runtime::net::is_fd_exhaustion(&e) => return Poll::NoDescriptors,
+        Err(_) => return Poll::Failed,
+    };
+    let report = async { resp.error_for_status().ok()?.json().await.ok() };
+    match report.await {
+        Some(load) => Poll::Load(load),
+        None => Poll::Failed,
+    }
 }
 
 #[cfg(test)]

@@ -330,6 +330,15 @@ impl Dispatcher {
         let send = self.client.post(url).json(body).send();
         let resp = match tokio::time::timeout(within, send).await {
             Ok(Ok(r)) => r,
+            // Out of file descriptors here is not the worker's fault: a
+            // retryable 503, and the worker stays up.
+            Ok(Err(e)) if pdserve_runtime::net::is_fd_exhaustion(&e) => {
+                tracing::warn!(worker = %base, "out of file descriptors: {e}");
+                return Err(ApiError::Busy {
+                    pool,
+                    message: "the router is out of file descriptors".into(),
+                });
+            }
             Ok(Err(e)) => {
                 self.registry.mark_down(base);
                 return Err(self.upstream(pool, format!("{base}: {e}")));

@@ -184,6 +184,26 @@ mod tests {
     }
 
     #[test]
+    fn fd_exhaustion_is_found_through_error_sources() {
+        #[derive(Debug)]
+        struct Wrap(std::io::Error);
+        impl std::fmt::Display for Wrap {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("connect failed")
+            }
+        }
+        impl std::error::Error for Wrap {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let emfile = Wrap(std::io::Error::from_raw_os_error(libc::EMFILE));
+        assert!(is_fd_exhaustion(&emfile));
+        let refused = Wrap(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(!is_fd_exhaustion(&refused));
+    }
+
+    #[test]
     fn the_allow_list_matches_cidrs_addresses_and_names() {
         let allow =
             HostAllow::parse(&["10.0.0.0/8".into(), "::1".into(), "Node-1".into()]).unwrap();
