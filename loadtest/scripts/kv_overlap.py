@@ -3,13 +3,15 @@
 
 Start a decode worker and a prefill worker first, e.g.
   target/release/pdserve-decode  --model MODEL --port 8211 --threads 1 &
-  target/release/pdserve-prefill --model MODEL --port 8111 --threads 1 &
-then run this script. For each prompt length it reserves KV on the decode
+  target/release/pdserve-prefill --model MODEL --port 8111 --threads 1 --decode-url http://127.0.0.1:8211 &
+then run this script (with PDSERVE_INTERNAL_TOKEN set to the workers' token,
+if they have one). For each prompt length it reserves KV on the decode
 worker, sends the prefill job, and prints compute time, wall time and bytes;
 at the end it prints the prefill worker's transfer-tail histogram (transfer
 time left after compute ended) and the MFU/MBU gauges.
 """
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -20,7 +22,11 @@ PROMPT = [100 + (i * 7919) % 40000 for i in range(512)]
 
 
 def post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json"}
+    token = os.environ.get("PDSERVE_INTERNAL_TOKEN")
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     return urllib.request.urlopen(req, timeout=60)
 
 

@@ -141,9 +141,10 @@ impl ApiError {
         use ErrorKind::{ContextLengthExceeded, KvExhausted, NotReady, Overloaded};
         match (e.class, &e.kind) {
             (ErrorClass::Fatal, ContextLengthExceeded) => ApiError::ContextLength(e.message),
-            // The engine's own failure, even if a worker calls it fatal:
-            // a 5xx, retried elsewhere.
-            (ErrorClass::Fatal, kind) if is_engine_failure(kind) => ApiError::Upstream {
+            // Not the request's fault (the engine failed, a KV stream or the
+            // deployment is broken), even if a worker calls it fatal: a
+            // 5xx, retried elsewhere.
+            (ErrorClass::Fatal, kind) if !is_request_fault(kind) => ApiError::Upstream {
                 pool,
                 message: format!("{}: {}", e.kind, e.message),
             },
@@ -163,12 +164,23 @@ impl ApiError {
     }
 }
 
-/// Kinds that are a worker's engine failing, never the request's fault.
-fn is_engine_failure(kind: &ErrorKind) -> bool {
+/// Kinds that are the client request's own fault: a 400, never retried.
+/// Every other fatal kind from a worker is the engine, the KV transfer or
+/// the deployment failing.
+fn is_request_fault(kind: &ErrorKind) -> bool {
     use ErrorKind::*;
     matches!(
         kind,
-        EngineStopped | EnginePanic | EngineFailed | Tensor | Io | Interrupted | Tokenizer
+        InvalidJson
+            | InvalidRequest
+            | InvalidRequestId
+            | InvalidSampling
+            | InvalidInput
+            | ContextLengthExceeded
+            | KvCapacityExceeded
+            | DuplicateRequestId
+            | Cancelled
+            | Sampling
     )
 }
 
@@ -274,6 +286,9 @@ mod tests {
                 ErrorKind::EngineFailed,
                 ErrorKind::Tensor,
                 ErrorKind::EnginePanic,
+                ErrorKind::KvMismatch,
+                ErrorKind::KvDestinationRefused,
+                ErrorKind::Unauthorized,
             ] {
                 let e = ErrorBody {
                     class,
