@@ -288,3 +288,64 @@ async fn the_log_of_a_start_with_api_keys_holds_no_key() {
         assert!(!log.contains(secret), "{secret} in the log:\n{log}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_error_is_retried_on_another_worker() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use axum::routing::{get, post as route_post};
+    use pdserve_protocol::internal::{ErrorBody, ErrorKind, LoadReport, PrefillEvent};
+
+    // A prefill worker whose engine fails every job; it even calls the
+    // failure fatal, as an older worker did.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let load = LoadReport {
+        ready: true,
+        ..Default::default()
+    };
+    let failing = axum::Router::new()
+        .route(
+            "/load",
+            get(move || async move { axum::Json(load.clone()) }),
+        )
+        .route(
+            "/v1/internal/prefill",
+            route_post(move || async move {
+                counter.fetch_add(1, Ordering::SeqCst);
+                let failed = ErrorBody::fatal(ErrorKind::EngineFailed, "the forward pass failed");
+                let lines = [
+                    PrefillEvent::Queued { report_seq: 0 },
+                    PrefillEvent::Error(failed),
+                ];
+                lines
+                    .iter()
+                    .map(|e| serde_json::to_string(e).unwrap() + "\n")
+                    .collect::<String>()
+            }),
+        );
+    let failing = serve(failing).await;
+    let c = cluster(Opts {
+        extra_prefill: vec![failing],
+        router_args: &["--mode", "disaggregated", "--prefill-policy", "round-robin"],
+        ..Default::default()
+    })
+    .await;
+    wait_until(Duration::from_secs(5), || async {
+        let p = pdserve_protocol::internal::Pool::Prefill;
+        c.router.registry.candidates(p, None).len() == 2
+    })
+    .await;
+    for _ in 0..4 {
+        let body = chat_body("a prompt to prefill", json!({"max_tokens": 4}));
+        let (status, v) = post_json(&c.url, "/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    assert!(
+        calls.load(Ordering::SeqCst) >= 1,
+        "the failing worker was never tried"
+    );
+    let m = metrics(&c.url).await;
+    assert!(metric(&m, "pdserve_prefill_retries_total") >= 1.0, "{m}");
+}

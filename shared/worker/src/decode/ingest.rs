@@ -10,10 +10,14 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::Json;
+use bytes::Bytes;
 use futures_util::StreamExt;
 use pdserve_protocol::internal::{ErrorBody, ErrorKind, GenerateEvent};
-use pdserve_protocol::kvwire::{self, KvDtype, KvEvent, KvLimits, KvStreamDecoder, LayerFrame};
+use pdserve_protocol::kvwire::{
+    self, ExpectedKv, KvDtype, KvEvent, KvLimits, KvStreamDecoder, LayerFrame,
+};
 use pdserve_text::Sampled;
+use tokio::sync::mpsc;
 
 use super::lease::{expired_error, Pending};
 use super::{DecodeBackend, DecodeJob, DecodeServer, KvImport, KvRows};
@@ -31,7 +35,7 @@ pub(super) async fn ingest<B: DecodeBackend>(
     Path(request_id): Path<String>,
     body: Body,
 ) -> Result<Json<IngestResult>, ApiError> {
-    let Some(mut pending) = server.pending().remove(&request_id) else {
+    let Some(pending) = server.pending().remove(&request_id) else {
         return Err(ApiError(ErrorBody::fatal(
             ErrorKind::UnknownReservation,
             format!(
@@ -40,8 +44,12 @@ pub(super) async fn ingest<B: DecodeBackend>(
         )));
     };
     let started = Instant::now();
-    let idle = server.net.kv_idle_timeout;
-    match receive(&server.backend, &request_id, &mut pending, body, idle).await {
+    let Some((mut pending, received)) = receive(&server, &request_id, pending, body).await else {
+        // The importer panicked: the reservation is gone with it.
+        let msg = "the KV import failed";
+        return Err(ApiError(ErrorBody::retryable(ErrorKind::EngineFailed, msg)));
+    };
+    match received {
         Ok((first, bytes)) => {
             server
                 .metrics
@@ -67,37 +75,68 @@ pub(super) async fn ingest<B: DecodeBackend>(
     }
 }
 
-/// Reads the whole stream into `pending.kv`; returns the first token and the bytes read.
+/// Chunks read but not yet imported.
+const CHUNK_BUFFER: usize = 4;
+
+/// Reads the stream here, failing it after `--kv-idle-timeout-ms` without
+/// a byte, and decodes and imports it on the blocking pool (converting KV
+/// bytes is CPU work, kept off the async runtime). Gives the reservation
+/// back with the first token and the bytes read, or the error; `None` if
+/// the importer panicked.
 async fn receive<B: DecodeBackend>(
-    backend: &B,
+    server: &DecodeServer<B>,
     request_id: &str,
-    pending: &mut Pending<B::Kv>,
+    mut pending: Pending<B::Kv>,
     body: Body,
-    idle: Duration,
-) -> Result<(Sampled, u64), ErrorBody> {
-    let n_tokens = pending.prompt.len();
+) -> Option<(Pending<B::Kv>, Result<(Sampled, u64), ErrorBody>)> {
     // The stream carries only what the reservation does not hold already.
-    let held = pending.kv.cached() as u32;
-    let expected = backend
-        .kv_shape()
-        .expected(request_id, (held, n_tokens as u32));
-    let mut decoder = KvStreamDecoder::new(KvLimits::default());
+    let span = (pending.kv.cached() as u32, pending.prompt.len() as u32);
+    let expected = server.backend.kv_shape().expected(request_id, span);
+    let (tx, rx) = mpsc::channel::<Bytes>(CHUNK_BUFFER);
+    let importer = tokio::task::spawn_blocking(move || {
+        let imported = import_stream(&mut pending, &expected, rx);
+        (pending, imported)
+    });
+    let read = forward(body, tx, server.net.kv_idle_timeout).await;
+    let (pending, imported) = importer.await.ok()?;
+    Some((pending, read.and(imported)))
+}
+
+/// Sends the body's chunks to the importer until it ends or the importer
+/// stops taking them (it has the end frame, or it failed).
+async fn forward(body: Body, tx: mpsc::Sender<Bytes>, idle: Duration) -> Result<(), ErrorBody> {
     let mut stream = body.into_data_stream();
-    let (mut bytes, mut dtype) = (0u64, KvDtype::F32);
     loop {
         let Ok(next) = tokio::time::timeout(idle, stream.next()).await else {
             let ms = idle.as_millis();
             let msg = format!("the KV upload sent nothing for {ms} ms");
             return Err(ErrorBody::retryable(ErrorKind::KvStreamBroken, msg));
         };
-        let Some(chunk) = next else { break };
+        let Some(chunk) = next else { return Ok(()) };
         let chunk =
             chunk.map_err(|e| ErrorBody::retryable(ErrorKind::KvStreamBroken, e.to_string()))?;
+        if tx.send(chunk).await.is_err() {
+            return Ok(());
+        }
+    }
+}
+
+/// Decodes and imports the chunks into `pending.kv` until the end frame;
+/// returns the first token and the bytes read.
+fn import_stream<Kv: KvImport>(
+    pending: &mut Pending<Kv>,
+    expected: &ExpectedKv,
+    mut chunks: mpsc::Receiver<Bytes>,
+) -> Result<(Sampled, u64), ErrorBody> {
+    let n_tokens = pending.prompt.len();
+    let mut decoder = KvStreamDecoder::new(KvLimits::default());
+    let (mut bytes, mut dtype) = (0u64, KvDtype::F32);
+    while let Some(chunk) = chunks.blocking_recv() {
         bytes += chunk.len() as u64;
         for event in decoder.push(&chunk).map_err(ErrorBody::from)? {
             match event {
                 KvEvent::Header(h) => {
-                    kvwire::validate_against(&h, &expected).map_err(ErrorBody::from)?;
+                    kvwire::validate_against(&h, expected).map_err(ErrorBody::from)?;
                     if h.n_tokens as usize != n_tokens {
                         let msg =
                             format!("KV for {} tokens, the prompt has {n_tokens}", h.n_tokens);

@@ -2,8 +2,9 @@
 //! decode worker it knows, never to a URL a caller made up (an SSRF). The
 //! decode workers come from `--decode-url`, from `--decode-dns` (resolved),
 //! and from the router it registers with (`GET /v1/internal/workers`).
-//! A destination not known is looked up once more before it is refused, so
-//! a decode worker that registered a moment ago is not refused.
+//! A destination not known is looked up again before it is refused, so a
+//! decode worker that registered a moment ago is not refused; look-ups are
+//! serialised, and jobs waiting behind one use its answer.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -41,8 +42,6 @@ pub struct DestinationArgs {
 
 /// Looked-up destinations are trusted this long, then looked up again.
 const LEARNED_TTL: Duration = Duration::from_secs(30);
-/// A miss looks up again at most this often.
-const MISS_INTERVAL: Duration = Duration::from_millis(200);
 
 #[derive(Default)]
 struct Learned {
@@ -108,12 +107,10 @@ impl Destinations {
         if fresh && learned.bases.contains(&base) {
             return Ok(());
         }
-        if !learned.at.is_some_and(|t| t.elapsed() < MISS_INTERVAL) {
-            *learned = Learned {
-                bases: self.look_up().await,
-                at: Some(Instant::now()),
-            };
-        }
+        *learned = Learned {
+            bases: self.look_up().await,
+            at: Some(Instant::now()),
+        };
         match learned.bases.contains(&base) {
             true => Ok(()),
             false => Err(refused(
