@@ -282,6 +282,27 @@ fn runs(n: u32, cuts: u64) -> Vec<(u32, u32)> {
 }
 
 fn structured(u: &mut Unstructured) -> ArbResult<Structured> {
+    let header = arbitrary_header(u)?;
+    let mut bytes = encode_header(&header).expect("a valid header encodes");
+    let mut events = vec![KvEvent::Header(header.clone())];
+    layer_frames(u, &header, &mut bytes, &mut events)?;
+    let trailer = arbitrary_trailer(u)?;
+    bytes.extend(encode_end(&trailer).expect("a valid trailer encodes"));
+    events.push(KvEvent::End(trailer));
+    let damage = match u.int_in_range(0..=3u8)? {
+        0 => Damage::None,
+        1 => Damage::Flip(u.arbitrary()?, u.int_in_range(1..=255)?),
+        2 => Damage::Truncate(u.arbitrary()?),
+        _ => Damage::Extend(u.arbitrary()?),
+    };
+    Ok(Structured {
+        bytes,
+        events,
+        damage,
+    })
+}
+
+fn arbitrary_header(u: &mut Unstructured) -> ArbResult<KvHeader> {
     let dtype = if u.arbitrary()? {
         KvDtype::F16
     } else {
@@ -296,7 +317,7 @@ fn structured(u: &mut Unstructured) -> ArbResult<Structured> {
     let request_id = (0..id_len)
         .map(|_| Ok(char::from(u.int_in_range(0x21..=0x7eu8)?)))
         .collect::<ArbResult<String>>()?;
-    let header = KvHeader {
+    Ok(KvHeader {
         request_id,
         model_fingerprint: u.arbitrary()?,
         dtype,
@@ -306,17 +327,25 @@ fn structured(u: &mut Unstructured) -> ArbResult<Structured> {
         n_tokens,
         start_token,
         seed: u.arbitrary()?,
-    };
-    let mut bytes = encode_header(&header).expect("a valid header encodes");
-    let mut events = vec![KvEvent::Header(header.clone())];
-    let side = (n_kv_heads * head_dim) as usize * dtype.size() as usize;
+    })
+}
+
+/// Layer frames over the header's token range, cut into arbitrary runs of
+/// tokens and layers, each encoded by one of the two encoders.
+fn layer_frames(
+    u: &mut Unstructured,
+    h: &KvHeader,
+    bytes: &mut Vec<u8>,
+    events: &mut Vec<KvEvent>,
+) -> ArbResult<()> {
+    let side = (h.n_kv_heads * h.head_dim) as usize * h.dtype.size() as usize;
     let (token_cuts, layer_cuts): (u64, u64) = (u.arbitrary()?, u.arbitrary()?);
-    for (i, (t0, tc)) in runs(n_tokens - start_token, token_cuts)
+    for (i, (t0, tc)) in runs(h.n_tokens - h.start_token, token_cuts)
         .into_iter()
         .enumerate()
     {
-        let token_start = start_token + t0;
-        for (layer_start, layer_count) in runs(n_layers, layer_cuts.rotate_left(i as u32 * 3)) {
+        let token_start = h.start_token + t0;
+        for (layer_start, layer_count) in runs(h.n_layers, layer_cuts.rotate_left(i as u32 * 3)) {
             let len = side * tc as usize;
             let mut kv = Vec::new();
             for _ in 0..layer_count * 2 {
@@ -326,20 +355,13 @@ fn structured(u: &mut Unstructured) -> ArbResult<Structured> {
             }
             let payload: Vec<u8> = kv.concat();
             if u.arbitrary()? {
-                encode_layers(
-                    layer_start,
-                    layer_count,
-                    token_start,
-                    tc,
-                    &payload,
-                    &mut bytes,
-                )
+                encode_layers(layer_start, layer_count, token_start, tc, &payload, bytes)
             } else {
                 let parts: Vec<(&[u8], &[u8])> = kv
                     .chunks_exact(2)
                     .map(|p| (p[0].as_slice(), p[1].as_slice()))
                     .collect();
-                encode_layer_parts(layer_start, token_start, tc, &parts, &mut bytes)
+                encode_layer_parts(layer_start, token_start, tc, &parts, bytes)
             }
             .expect("a valid frame encodes");
             events.push(KvEvent::Layers(LayerFrame {
@@ -351,27 +373,18 @@ fn structured(u: &mut Unstructured) -> ArbResult<Structured> {
             }));
         }
     }
+    Ok(())
+}
+
+fn arbitrary_trailer(u: &mut Unstructured) -> ArbResult<KvTrailer> {
     let not_nan = |x: f32| if x.is_nan() { -1.0 } else { x };
     let n_top = u.int_in_range(0..=20usize)?;
-    let trailer = KvTrailer {
+    Ok(KvTrailer {
         first_token: u.arbitrary()?,
         first_logprob: not_nan(u.arbitrary()?),
         top_logprobs: (0..n_top)
             .map(|_| Ok((u.arbitrary()?, not_nan(u.arbitrary()?))))
             .collect::<ArbResult<_>>()?,
-    };
-    bytes.extend(encode_end(&trailer).expect("a valid trailer encodes"));
-    events.push(KvEvent::End(trailer));
-    let damage = match u.int_in_range(0..=3u8)? {
-        0 => Damage::None,
-        1 => Damage::Flip(u.arbitrary()?, u.int_in_range(1..=255)?),
-        2 => Damage::Truncate(u.arbitrary()?),
-        _ => Damage::Extend(u.arbitrary()?),
-    };
-    Ok(Structured {
-        bytes,
-        events,
-        damage,
     })
 }
 

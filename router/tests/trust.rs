@@ -54,7 +54,13 @@ async fn every_internal_route_needs_the_token_and_the_cluster_serves_with_it() {
     let prefill_args = [&auth[..], &["--latency-scale", "0", "--decode-url", &d]].concat();
     let (p, _prefill) = mock(&model, "prefill", &prefill_args).await;
     let router_args = [&auth[..], &["--mode", "disaggregated"]].concat();
-    let (r, _state) = router(model.arg(), &[p.clone()], &[d.clone()], &router_args).await;
+    let (r, _state) = router(
+        model.arg(),
+        std::slice::from_ref(&p),
+        std::slice::from_ref(&d),
+        &router_args,
+    )
+    .await;
 
     let reg = json!({"pool": "decode", "url": "http://127.0.0.1:1", "model_fingerprint": 1, "weights": "mock"});
     needs_token(

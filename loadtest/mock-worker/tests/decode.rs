@@ -316,3 +316,42 @@ async fn draining_refuses_new_work_and_lets_running_work_finish() {
     closed.unwrap().unwrap().unwrap();
     assert_eq!(d.worker.in_flight(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_waiting_queue_is_bounded_and_reported_as_queued() {
+    let model = tiny_model();
+    // One sequence runs, one waits in the engine, one in the intake queue.
+    let slow = [
+        "--max-batch",
+        "1",
+        "--max-queue",
+        "1",
+        "--step-fixed-ms",
+        "50",
+    ];
+    let d = spawn(&model, "decode", &slow).await;
+    let mut streams = Vec::new();
+    for i in 0..3 {
+        let body = generate_body(&format!("q{i}"), 5, json!({"max_tokens": 40}), local());
+        let resp = post(&d.url, "/v1/internal/generate", &body).await;
+        assert_eq!(resp.status(), 200, "request {i} is admitted");
+        streams.push(resp);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let body = generate_body("q3", 5, json!({"max_tokens": 40}), local());
+    let refused = post(&d.url, "/v1/internal/generate", &body).await;
+    assert_eq!(refused.status(), 503);
+    let e: ErrorBody = refused.json().await.unwrap();
+    assert_eq!(
+        (e.class, e.kind),
+        (ErrorClass::Retryable, ErrorKind::Overloaded)
+    );
+    // The one the engine holds, waiting, and the one in the queue count as queued.
+    let load = pdserve_testkit::http::load(&d.url).await;
+    assert_eq!(
+        (load.queued_requests, load.active_sequences),
+        (2, 1),
+        "{load:?}"
+    );
+    assert_eq!(load.queued_tokens, 10, "{load:?}");
+}

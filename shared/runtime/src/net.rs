@@ -134,6 +134,8 @@ pub fn raise_nofile_limit() -> std::io::Result<u64> {
             }
             lim.rlim_cur = lim.rlim_max;
         }
+        // rlim_t is u64 on Linux, but not everywhere.
+        #[allow(clippy::unnecessary_cast)]
         Ok(lim.rlim_cur as u64)
     }
 }
