@@ -284,3 +284,47 @@ async fn a_lease_that_ends_during_a_failed_ingest_still_releases_the_kv() {
     }
     assert_eq!(load(&d.url).await.kv_used_tokens, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_after_the_kv_arrived_ends_the_stream_with_a_retryable_error() {
+    let model = tiny_model();
+    let slow = [
+        "--max-batch",
+        "1",
+        "--max-queue",
+        "1",
+        "--step-fixed-ms",
+        "50",
+    ];
+    let d = spawn(&model, "decode", &slow).await;
+    let p = spawn(
+        &model,
+        "prefill",
+        &["--latency-scale", "0", "--decode-url", d.url.as_str()],
+    )
+    .await;
+    // Reserve first (a reservation does not queue), then fill the engine:
+    // one running, one waiting, one in the intake queue.
+    let body = generate_body("late", 8, json!({"max_tokens": 4}), remote(30_000));
+    let (mut lines, kv_url) = reserve(&d.url, &body).await;
+    let mut fillers = Vec::new();
+    for i in 0..3 {
+        let b = generate_body(&format!("f{i}"), 5, json!({"max_tokens": 40}), local());
+        fillers.push(post(&d.url, "/v1/internal/generate", &b).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The KV arrives, but the sequence cannot be queued.
+    let r = post(&p.url, "/v1/internal/prefill", &job("late", &body, &kv_url)).await;
+    let e = prefill_outcome(r).await.unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Overloaded, "{e:?}");
+    // The generate stream says so, retryable, instead of just ending.
+    match lines.next().await {
+        Some(GenerateEvent::Error(e)) => {
+            assert_eq!(
+                (e.class, e.kind),
+                (ErrorClass::Retryable, ErrorKind::Overloaded)
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}

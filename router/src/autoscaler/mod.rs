@@ -155,7 +155,7 @@ pub fn signals(registry: &Registry, args: &AutoscalerArgs) -> Signals {
         _ => args.prefill_tokens_per_second,
     };
     // Prompts waiting on decode workers are prefill work too (local prefill).
-    let pending = (prefill.queued_tokens + decode.queued_tokens) as f64;
+    let pending = prefill.queued_tokens.saturating_add(decode.queued_tokens) as f64;
     let kv_total = (decode.kv_used_tokens + decode.kv_free_tokens) as f64;
     let kv_usage = match kv_total > 0.0 {
         true => decode.kv_used_tokens as f64 / kv_total,
