@@ -337,7 +337,9 @@ async fn heartbeat(
     State(s): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<StatusCode, ApiError> {
-    let hb: Heartbeat = parse(body, s.frontend.limits.max_body_bytes)?;
+    let mut hb: Heartbeat = parse(body, s.frontend.limits.max_body_bytes)?;
+    // As registered: the normalised form of the worker's URL.
+    hb.url = worker_base(&hb.url).unwrap_or(hb.url);
     match s.registry.heartbeat(&hb) {
         true => Ok(StatusCode::NO_CONTENT),
         // Unknown (the router restarted): the worker registers again.
@@ -350,6 +352,6 @@ async fn deregister(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<StatusCode, ApiError> {
     let d: Deregistration = parse(body, s.frontend.limits.max_body_bytes)?;
-    s.registry.deregister(&d.url);
+    s.registry.deregister(&worker_base(&d.url).unwrap_or(d.url));
     Ok(StatusCode::NO_CONTENT)
 }

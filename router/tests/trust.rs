@@ -156,6 +156,10 @@ async fn a_fake_registration_is_refused() {
         register(&r, registration("http://127.0.0.1:5", "w1")).await,
         204
     );
+    // Its heartbeats may spell the URL as it registered it, unnormalised.
+    let hb = json!({"url": "HTTP://127.0.0.1:5/", "load": {"queued_requests": 0, "queued_tokens": 0, "active_sequences": 0, "kv_used_tokens": 0, "kv_free_tokens": 0, "tokens_per_second": 0.0, "ready": true}});
+    let url = format!("{r}/v1/internal/workers/heartbeat");
+    assert_eq!(call(Method::POST, &url, None, &hb).await, 204);
     // Another id at its URL, its id at another URL, its URL in the other pool.
     assert_eq!(
         register(&r, registration("http://127.0.0.1:5", "w2")).await,
