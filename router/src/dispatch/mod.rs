@@ -396,9 +396,12 @@ impl Dispatcher {
             .collect();
         let set = match (fresh.is_empty(), pool) {
             (false, _) => fresh,
-            // A second chance on the same prefill worker beats failing; a
-            // decode worker that refused is not asked twice.
-            (true, Pool::Prefill) => all,
+            // Every prefill worker was tried: any but the one that just
+            // failed. A decode worker that refused is not asked twice.
+            (true, Pool::Prefill) => all
+                .into_iter()
+                .filter(|w| tried.last() != Some(&w.url))
+                .collect(),
             (true, Pool::Decode) => return None,
         };
         let policy = match pool {
