@@ -320,24 +320,8 @@ async fn draining_refuses_new_work_and_lets_running_work_finish() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_waiting_queue_is_bounded_and_reported_as_queued() {
     let model = tiny_model();
-    // One sequence runs, one waits in the engine, one in the intake queue.
-    let slow = [
-        "--max-batch",
-        "1",
-        "--max-queue",
-        "1",
-        "--step-fixed-ms",
-        "50",
-    ];
-    let d = spawn(&model, "decode", &slow).await;
-    let mut streams = Vec::new();
-    for i in 0..3 {
-        let body = generate_body(&format!("q{i}"), 5, json!({"max_tokens": 40}), local());
-        let resp = post(&d.url, "/v1/internal/generate", &body).await;
-        assert_eq!(resp.status(), 200, "request {i} is admitted");
-        streams.push(resp);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let d = spawn(&model, "decode", ONE_AT_A_TIME).await;
+    let _streams = fill_one_at_a_time(&d.url).await;
     let body = generate_body("q3", 5, json!({"max_tokens": 40}), local());
     let refused = post(&d.url, "/v1/internal/generate", &body).await;
     assert_eq!(refused.status(), 503);

@@ -288,15 +288,7 @@ async fn a_lease_that_ends_during_a_failed_ingest_still_releases_the_kv() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_after_the_kv_arrived_ends_the_stream_with_a_retryable_error() {
     let model = tiny_model();
-    let slow = [
-        "--max-batch",
-        "1",
-        "--max-queue",
-        "1",
-        "--step-fixed-ms",
-        "50",
-    ];
-    let d = spawn(&model, "decode", &slow).await;
+    let d = spawn(&model, "decode", ONE_AT_A_TIME).await;
     let p = spawn(
         &model,
         "prefill",
@@ -307,12 +299,7 @@ async fn a_full_queue_after_the_kv_arrived_ends_the_stream_with_a_retryable_erro
     // one running, one waiting, one in the intake queue.
     let body = generate_body("late", 8, json!({"max_tokens": 4}), remote(30_000));
     let (mut lines, kv_url) = reserve(&d.url, &body).await;
-    let mut fillers = Vec::new();
-    for i in 0..3 {
-        let b = generate_body(&format!("f{i}"), 5, json!({"max_tokens": 40}), local());
-        fillers.push(post(&d.url, "/v1/internal/generate", &b).await);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let _fillers = fill_one_at_a_time(&d.url).await;
     // The KV arrives, but the sequence cannot be queued.
     let r = post(&p.url, "/v1/internal/prefill", &job("late", &body, &kv_url)).await;
     let e = prefill_outcome(r).await.unwrap_err();

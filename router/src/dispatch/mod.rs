@@ -254,12 +254,7 @@ impl Dispatcher {
     /// A 400 for a sequence that no ready decode worker's whole KV cache
     /// could hold (when every one has reported its size): no retry can help.
     fn check_fits(&self, tokens: u64) -> Result<(), ApiError> {
-        let sizes: Vec<u64> = self
-            .registry
-            .candidates(Pool::Decode, None)
-            .iter()
-            .map(|w| w.load.kv_used_tokens.saturating_add(w.load.kv_free_tokens))
-            .collect();
+        let sizes = self.registry.kv_sizes(Pool::Decode);
         let largest = sizes.iter().copied().max().unwrap_or(0);
         if sizes.is_empty() || sizes.contains(&0) || tokens <= largest {
             return Ok(());

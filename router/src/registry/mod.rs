@@ -321,6 +321,16 @@ impl Registry {
             .collect()
     }
 
+    /// The KV cache size (used + free tokens) each ready worker of `pool`
+    /// last reported.
+    pub fn kv_sizes(&self, pool: Pool) -> Vec<u64> {
+        let map = self.lock();
+        map.values()
+            .filter(|e| e.pool == pool && e.health == Health::Ready)
+            .map(|e| e.load.kv_used_tokens.saturating_add(e.load.kv_free_tokens))
+            .collect()
+    }
+
     pub fn has_ready(&self, pool: Pool) -> bool {
         let map = self.lock();
         map.values()

@@ -94,3 +94,28 @@ pub fn expected_stream_bytes(id: &str, n: u64, n_top: u64) -> u64 {
     let kv = LAYERS * 2 * n * KV_HEADS * HEAD_DIM * 4;
     55 + id.len() as u64 + LAYERS * 32 + kv + 17 + 8 * n_top
 }
+
+/// A decode mock that runs one sequence at a time, holds one more waiting
+/// and queues one more: four local requests fill it.
+pub const ONE_AT_A_TIME: &[&str] = &[
+    "--max-batch",
+    "1",
+    "--max-queue",
+    "1",
+    "--step-fixed-ms",
+    "50",
+];
+
+/// Fills a decode mock started with [`ONE_AT_A_TIME`]: one running, one
+/// waiting in the engine, one in the intake queue. Returns their streams.
+pub async fn fill_one_at_a_time(decode: &str) -> Vec<reqwest::Response> {
+    let mut streams = Vec::new();
+    for i in 0..3 {
+        let body = generate_body(&format!("fill{i}"), 5, json!({"max_tokens": 40}), local());
+        let resp = post(decode, "/v1/internal/generate", &body).await;
+        assert_eq!(resp.status(), 200, "filler {i} is admitted");
+        streams.push(resp);
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    streams
+}
