@@ -20,9 +20,7 @@ use std::time::Instant;
 use pdserve_engine::sampler::{sample, Sampled, SamplingParams, TokenCounts};
 use pdserve_engine::{KvError, KvPool, Model, SeqKv};
 use pdserve_protocol::internal::{ErrorBody, ErrorClass, ErrorKind};
-use pdserve_worker::decode::{
-    retire_closed, DecodeArgs, DecodeJob, DecodeMetrics, Outcome, SeqStream,
-};
+use pdserve_worker::decode::{retire, DecodeArgs, DecodeJob, DecodeMetrics, Outcome, SeqStream};
 use pdserve_worker::queue::EngineStats;
 use tokio::sync::mpsc;
 
@@ -49,6 +47,8 @@ pub(crate) struct Scheduler {
     waiting: VecDeque<Seq>,
     active: Vec<Seq>,
     admissions: u64,
+    /// Seconds the last decode step took (a token of every active sequence).
+    step_secs: f64,
 }
 
 impl Scheduler {
@@ -71,6 +71,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             active: Vec::new(),
             admissions: 0,
+            step_secs: 0.0,
         };
         std::thread::Builder::new()
             .name("pdserve-decode-engine".into())
@@ -107,14 +108,16 @@ impl Scheduler {
     }
 
     fn intake(&mut self, job: DecodeJob<RealKv>) {
-        self.stats.taken(job.prompt.len() as u64, true);
+        // As queued: the prompt tokens the prefix cache did not hold.
+        self.stats
+            .taken((job.prompt.len() - job.kv.cached) as u64, true);
         let prompt_len = job.prompt.len() as u32;
         let mut seq = Seq {
             params: SamplingParams::from(&job.sampling),
+            history: TokenCounts::replayed(&job.prompt, job.sampling.replayed_tokens),
             stream: SeqStream::new(job.request_id, prompt_len, job.sampling, job.events),
             tokens: job.prompt,
             kv: job.kv.kv,
-            history: TokenCounts::default(),
             admitted: 0,
         };
         if let Some(first) = job.first {
@@ -128,8 +131,9 @@ impl Scheduler {
     /// One scheduling round: a prefill chunk, admission, room for the next
     /// token, a decode step.
     fn iteration(&mut self) {
-        let (active, waiting) = (&mut self.active, &mut self.waiting);
-        retire_closed(active, waiting, |s| &s.stream, &self.metrics);
+        let queues = (&mut self.active, &mut self.waiting);
+        let drain = (self.stats.as_ref(), self.step_secs);
+        retire(queues, |s| &s.stream, drain, &self.metrics);
         if self.active.len() < self.cfg.limits.max_batch {
             self.prefill_chunk();
         }
@@ -275,7 +279,8 @@ impl Scheduler {
             }
         }
         self.active = keep;
-        self.record_step(n, kv_tokens, started.elapsed().as_secs_f64());
+        self.step_secs = started.elapsed().as_secs_f64();
+        self.record_step(n, kv_tokens, self.step_secs);
     }
 
     fn record_step(&self, n: usize, kv_tokens: usize, secs: f64) {

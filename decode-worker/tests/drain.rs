@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use pdserve_engine::KvDtype;
-use pdserve_protocol::internal::{FinishReason, GenerateEvent, KvSource};
+use pdserve_protocol::internal::{ErrorClass, ErrorKind, FinishReason, GenerateEvent, KvSource};
 use pdserve_testkit::http::eventually;
 use pdserve_testkit::process::{assert_refused_while_draining, WorkerProcess, WAIT};
 
@@ -78,19 +78,23 @@ async fn sigterm_finishes_in_flight_sequences_then_exits() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_drain_deadline_cuts_a_sequence_that_takes_too_long() {
+async fn a_reservation_still_waiting_at_the_drain_margin_is_handed_back() {
     let (tiny, _model) = tiny_model();
-    let mut w = spawn_worker(&tiny.path, 1).await;
+    let mut w = spawn_worker(&tiny.path, 2).await;
     // Its KV never comes, and its lease outlasts the drain.
     let (lines, _kv_url) = reserve(&w.url, "stuck", 8, 600_000).await;
     w.terminate();
     let took = w.exits_cleanly().await;
     assert!(
-        took >= Duration::from_secs(1) && took < Duration::from_secs(10),
-        "the drain waited for the in-flight sequence until its deadline, and no longer: {took:?}"
+        took >= Duration::from_millis(1400) && took < Duration::from_secs(2),
+        "handed back 0.5 s before the 2 s deadline, and exited then: {took:?}"
     );
     let rest = tokio::time::timeout(WAIT, lines.try_all()).await.unwrap();
     assert!(tokens(&rest).is_empty(), "{rest:?}");
-    let logged = eventually(WAIT, || async { w.log().contains("drain deadline passed") }).await;
+    let handed_back = rest.iter().any(|e| {
+        matches!(e, GenerateEvent::Error(b) if b.kind == ErrorKind::HandedBack && b.class == ErrorClass::Retryable)
+    });
+    assert!(handed_back, "{rest:?}");
+    let logged = eventually(WAIT, || async { w.log().contains("handed back") }).await;
     assert!(logged, "{}", w.log());
 }

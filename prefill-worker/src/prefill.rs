@@ -221,7 +221,9 @@ impl Worker {
         };
         let params = SamplingParams::from(&task.job.sampling);
         let n = task.job.prompt_tokens.len();
-        let first = sample(&logits, &params, n as u64, &TokenCounts::default())
+        let prompt = &task.job.prompt_tokens;
+        let history = TokenCounts::replayed(prompt, task.job.sampling.replayed_tokens);
+        let first = sample(&logits, &params, n as u64, &history)
             .map_err(|e| ErrorBody::fatal(ErrorKind::Sampling, e.to_string()))?;
         let trailer = KvTrailer {
             first_token: first.token,

@@ -157,6 +157,19 @@ pub struct Args {
     /// Seconds to let in-flight requests finish after SIGTERM.
     #[arg(long, env = "PDSERVE_DRAIN_SECONDS", default_value_t = 30)]
     pub drain_seconds: u64,
+    /// Times one stream may move to another decode worker after a failure
+    /// (0: streams never migrate).
+    #[arg(long, env = "PDSERVE_MIGRATION_LIMIT", default_value_t = 3)]
+    pub migration_limit: u32,
+    /// A stream migrates only while its prompt plus generated tokens, which
+    /// the new worker prefills again, are at most this many.
+    #[arg(long, env = "PDSERVE_MIGRATION_MAX_TOKENS", default_value_t = 16_384)]
+    pub migration_max_tokens: usize,
+    /// A decode worker that sends nothing for this long while a stream
+    /// expects its next token is given up on: the stream migrates and the
+    /// worker is quarantined (0: never).
+    #[arg(long, env = "PDSERVE_STREAM_IDLE_TIMEOUT_MS", default_value_t = 10_000)]
+    pub stream_idle_timeout_ms: u64,
     #[command(flatten)]
     pub local: crate::supervisor::LocalArgs,
     #[command(flatten)]
@@ -175,6 +188,18 @@ pub struct DispatchConfig {
     pub prefill_retries: u32,
     pub decode_attempts: u32,
     pub connect_timeout: Duration,
+    pub migration: MigrationConfig,
+}
+
+/// When a broken stream moves to another decode worker.
+#[derive(Debug, Clone)]
+pub struct MigrationConfig {
+    /// Migrations per stream at most.
+    pub limit: u32,
+    /// Prompt plus generated tokens a migration may prefill again, at most.
+    pub max_tokens: usize,
+    /// Silence after which a stream's worker is given up on; `None`: never.
+    pub idle_timeout: Option<Duration>,
 }
 
 /// Front-end limits, validated.
@@ -234,6 +259,12 @@ impl Args {
             prefill_retries: self.prefill_retries,
             decode_attempts: self.decode_attempts,
             connect_timeout: Duration::from_millis(self.worker_connect_timeout_ms.max(1)),
+            migration: MigrationConfig {
+                limit: self.migration_limit,
+                max_tokens: self.migration_max_tokens,
+                idle_timeout: (self.stream_idle_timeout_ms > 0)
+                    .then(|| Duration::from_millis(self.stream_idle_timeout_ms)),
+            },
         }
     }
 

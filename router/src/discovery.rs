@@ -43,6 +43,7 @@ pub fn spawn(
     stop: CancellationToken,
 ) {
     let client = reqwest::Client::builder()
+        .pool_idle_timeout(pdserve_runtime::net::POOL_IDLE_TIMEOUT)
         .default_headers(token.client_headers())
         .timeout(cfg.health_interval.max(Duration::from_millis(200)))
         .build()

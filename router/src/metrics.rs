@@ -24,8 +24,38 @@ pub struct RouterMetrics {
     pub in_flight: IntGauge,
     pub prefill_retries: IntCounter,
     pub worker_errors: IntCounterVec,
+    /// Streams moved to another decode worker.
+    pub migration: MigrationMetrics,
     /// The pools, from the workers' load reports, and the autoscaler.
     pub pools: PoolMetrics,
+}
+
+/// Streams moved to another decode worker mid-generation.
+pub struct MigrationMetrics {
+    /// By reason and outcome.
+    pub total: IntCounterVec,
+    /// From a migrated stream's last token on the worker it left to its
+    /// first token on the one it joined.
+    pub lost: Histogram,
+}
+
+impl MigrationMetrics {
+    fn new(r: &Registry) -> Self {
+        Self {
+            total: m::counter_vec(
+                r,
+                m::MIGRATIONS_TOTAL,
+                "Streams moved to another decode worker mid-generation, by reason and outcome.",
+                &["reason", "outcome"],
+            ),
+            lost: m::histogram(
+                r,
+                m::MIGRATION_LOST_SECONDS,
+                "Time a migrated stream lost: from its last token on the worker it left to its first on the one it joined.",
+                m::TTFT_BUCKETS,
+            ),
+        }
+    }
 }
 
 /// The pools' series: their load, their workers, the autoscaling signals.
@@ -97,6 +127,7 @@ impl RouterMetrics {
                 "Failed calls to workers, by pool and error code.",
                 &["pool", "code"],
             ),
+            migration: MigrationMetrics::new(&r),
             pools: PoolMetrics::new(&r),
             registry: r,
         }

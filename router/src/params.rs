@@ -113,6 +113,7 @@ pub fn parse(
         max_tokens: 0,
         ignore_eos: p.ignore_eos.unwrap_or(false),
         stop_token_ids: Vec::new(),
+        replayed_tokens: 0,
     };
     let n = int_range("n", p.n.unwrap_or(1), 1, limits.max_n as i64)?;
     let stream = p.stream.unwrap_or(false);

@@ -14,8 +14,7 @@ use pdserve_protocol::kvwire::KvShape;
 use pdserve_protocol::prefix::PrefixDigest;
 use pdserve_text::{ModelConfig, Sampled};
 use pdserve_worker::decode::{
-    retire_closed, DecodeArgs, DecodeBackend, DecodeJob, DecodeMetrics, KvImport, Outcome,
-    SeqStream,
+    retire, DecodeArgs, DecodeBackend, DecodeJob, DecodeMetrics, KvImport, Outcome, SeqStream,
 };
 use pdserve_worker::kv::KvReport;
 use pdserve_worker::queue::{EngineQueue, EngineStats};
@@ -64,6 +63,7 @@ impl MockDecode {
             stats: queue.stats().clone(),
             waiting: VecDeque::new(),
             active: Vec::new(),
+            step_secs: 0.0,
         };
         tokio::spawn(batcher.run(rx));
         Self {
@@ -134,6 +134,8 @@ struct Batcher {
     stats: Arc<EngineStats>,
     waiting: VecDeque<Seq>,
     active: Vec<Seq>,
+    /// Seconds the last step took.
+    step_secs: f64,
 }
 
 impl Batcher {
@@ -158,7 +160,9 @@ impl Batcher {
     }
 
     fn intake(&mut self, job: Job) {
-        self.stats.taken(job.prompt.len() as u64, true);
+        // As queued: the prompt tokens the prefix cache did not hold.
+        self.stats
+            .taken((job.prompt.len() - job.kv.cached()) as u64, true);
         let prompt_len = job.prompt.len() as u32;
         let mut seq = Seq {
             prefilled: job.kv.cached() as u32,
@@ -177,8 +181,9 @@ impl Batcher {
 
     /// One round: retire the disconnected, a prefill chunk, admission, a step.
     async fn iteration(&mut self) {
-        let (active, waiting) = (&mut self.active, &mut self.waiting);
-        retire_closed(active, waiting, |s| &s.stream, &self.metrics);
+        let queues = (&mut self.active, &mut self.waiting);
+        let drain = (self.stats.as_ref(), self.step_secs);
+        retire(queues, |s| &s.stream, drain, &self.metrics);
         if self.active.len() < self.cfg.limits.max_batch.max(1) {
             self.prefill_chunk().await;
         }
@@ -231,6 +236,7 @@ impl Batcher {
         }
         self.active = keep;
         let secs = started.elapsed().as_secs_f64();
+        self.step_secs = secs;
         self.metrics.step(n, secs);
         self.stats.record_rate(n, secs);
     }

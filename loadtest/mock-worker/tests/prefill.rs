@@ -315,3 +315,53 @@ async fn a_full_queue_after_the_kv_arrived_ends_the_stream_with_a_retryable_erro
         other => panic!("{other:?}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_prefill_worker_returns_its_queued_jobs_at_once_as_retryable() {
+    let model = tiny_model();
+    let d = spawn(&model, "decode", FAST).await;
+    let token = tokio_util::sync::CancellationToken::new();
+    let slow = [
+        "--prefill-fixed-ms",
+        "100000",
+        "--decode-url",
+        d.url.as_str(),
+    ];
+    let (p, _served) = spawn_draining(&model, "prefill", &slow, token.clone()).await;
+    let mut jobs = Vec::new();
+    for id in ["run", "queued"] {
+        let body = generate_body(id, 4, json!({}), remote(120_000));
+        let (_resp, kv_url) = reserve(&d.url, &body).await;
+        let (p_url, job) = (p.url.clone(), job(id, &body, &kv_url));
+        jobs.push(tokio::spawn(async move {
+            post(&p_url, "/v1/internal/prefill", &job).await
+        }));
+        let want = if id == "run" { (0, 1) } else { (1, 1) };
+        wait_until(Duration::from_secs(5), || async {
+            let l = load(&p.url).await;
+            (l.queued_requests, l.active_sequences) == want
+        })
+        .await;
+    }
+    let queued = jobs.pop().unwrap();
+    let started = std::time::Instant::now();
+    token.cancel();
+    let e = prefill_outcome(queued.await.unwrap()).await.unwrap_err();
+    assert_eq!(
+        (e.class, &e.kind),
+        (ErrorClass::Retryable, &ErrorKind::NotReady),
+        "{e:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "at once: {:?}",
+        started.elapsed()
+    );
+    // The job being computed is not returned: it goes on.
+    let running = jobs.pop().unwrap().await.unwrap();
+    let still = tokio::time::timeout(Duration::from_millis(300), prefill_outcome(running)).await;
+    assert!(
+        still.is_err(),
+        "the running job goes on while the worker drains: {still:?}"
+    );
+}

@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 mod pump;
+mod relay;
 
 use crate::config::{DispatchConfig, Mode};
 use crate::error::ApiError;
@@ -29,6 +30,9 @@ use crate::policy::prefix::cached_tokens;
 use crate::policy::{Policy, RequestInfo};
 use crate::registry::{Assignment, Registry, WorkerView};
 use pump::Pump;
+use relay::Relay;
+
+pub use pump::reason as migration_reason;
 
 /// Events buffered between the upstream reader and the client.
 const EVENT_BUFFER: usize = 64;
@@ -42,6 +46,8 @@ pub struct SequenceRequest {
     /// The decode worker to try first (a sibling choice's, whose prompt
     /// blocks it caches), when it is ready.
     pub prefer_decode: Option<String>,
+    /// The decode worker not to use (the one a migrating stream left).
+    pub avoid_decode: Option<String>,
 }
 
 /// What a sequence produces.
@@ -135,6 +141,7 @@ impl Dispatcher {
         token: &pdserve_runtime::auth::InternalToken,
     ) -> Self {
         let client = reqwest::Client::builder()
+            .pool_idle_timeout(pdserve_runtime::net::POOL_IDLE_TIMEOUT)
             .default_headers(token.client_headers())
             .connect_timeout(cfg.connect_timeout)
             .tcp_nodelay(true)
@@ -162,21 +169,42 @@ impl Dispatcher {
         }
     }
 
-    /// Places the sequence; returns once its KV is reserved on a decode worker.
+    /// Places the sequence; returns once its KV is reserved on a decode
+    /// worker. From then on a failure that another worker can fix migrates
+    /// the sequence ([`relay`]).
     pub async fn start(self: &Arc<Self>, req: SequenceRequest) -> Result<Sequence, ApiError> {
-        let started = Instant::now();
         let deadline = tokio::time::Instant::now() + self.cfg.request_timeout;
-        let decode = self.open_decode(&req).await?;
-        let local = decode.local;
+        let pump = self.attempt(&req, deadline).await?;
+        let (cached_tokens, decode_url) = (pump.cached_tokens(), pump.url().to_string());
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        let relay = Relay::new(self.clone(), req, deadline, tx);
+        let task = tokio::spawn(relay.run(pump));
+        Ok(Sequence {
+            rx,
+            peeked: None,
+            cached_tokens,
+            decode_url,
+            _pump: AbortOnDrop(task),
+        })
+    }
+
+    /// One attempt at the sequence: a decode stream with KV reserved, and
+    /// the prefill job that fills it unless the decode worker prefills.
+    async fn attempt(
+        self: &Arc<Self>,
+        req: &SequenceRequest,
+        deadline: tokio::time::Instant,
+    ) -> Result<Pump, ApiError> {
+        let started = Instant::now();
+        let decode = self.open_decode(req).await?;
         self.observe_stage(
             labels::STAGE_DECODE_RESERVE,
             started.elapsed().as_secs_f64(),
         );
-        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
-        let prefill = match (&decode.kv_url, local) {
+        let prefill = match (&decode.kv_url, decode.local) {
             (Some(kv_url), false) => {
                 let target = (kv_url.as_str(), decode.fingerprint, decode.cached_tokens);
-                Some(self.clone().spawn_prefill(&req, target))
+                Some(self.clone().spawn_prefill(req, target))
             }
             (None, false) => {
                 return Err(ApiError::Upstream {
@@ -186,15 +214,7 @@ impl Dispatcher {
             }
             (_, true) => None,
         };
-        let (cached_tokens, decode_url) = (decode.cached_tokens, decode.url.clone());
-        let pump = tokio::spawn(Pump::new(self.clone(), decode, prefill, tx, deadline).run());
-        Ok(Sequence {
-            rx,
-            peeked: None,
-            cached_tokens,
-            decode_url,
-            _pump: AbortOnDrop(pump),
-        })
+        Ok(Pump::new(self.clone(), decode, prefill, deadline))
     }
 
     fn lease(&self) -> Duration {
@@ -227,7 +247,7 @@ impl Dispatcher {
             prompt: &req.prompt,
         };
         self.check_fits(info.reserve_tokens)?;
-        let mut tried = Vec::new();
+        let mut tried: Vec<String> = req.avoid_decode.iter().cloned().collect();
         let mut last = ApiError::NoWorker(Pool::Decode);
         for _ in 0..self.cfg.decode_attempts {
             let preferred = match tried.is_empty() {

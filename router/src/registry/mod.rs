@@ -5,7 +5,7 @@
 mod assignment;
 mod quarantine;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -97,7 +97,13 @@ pub struct WorkerView {
 #[derive(Default)]
 pub struct Registry {
     workers: Mutex<BTreeMap<String, Entry>>,
+    /// Registered workers removed for going silent, and when: their
+    /// streams are lost too (see [`Registry::is_lost`]).
+    expired: Mutex<HashMap<String, Instant>>,
 }
+
+/// How long a worker removed for silence still counts as lost.
+const LOST_FOR: Duration = Duration::from_secs(60);
 
 fn health_of(load: &LoadReport) -> Health {
     match load.ready {
@@ -169,6 +175,7 @@ impl Registry {
             }
         }
         drop(map);
+        self.expired().remove(&reg.url);
         tracing::info!(url = %reg.url, pool = ?reg.pool, weights = %reg.weights, "worker registered");
         self.insert(
             reg.pool,
@@ -271,6 +278,22 @@ impl Registry {
         }
     }
 
+    /// Whether the streams running on the worker at `url` are lost: it is
+    /// down (a connection or stream to it failed, or its polls did), or it
+    /// was removed for going silent. A worker that deregistered to drain is
+    /// not lost: its streams finish or are handed back.
+    pub fn is_lost(&self, url: &str) -> bool {
+        let down = self
+            .lock()
+            .get(url)
+            .is_some_and(|e| e.health == Health::Down);
+        down || self.expired().contains_key(url)
+    }
+
+    fn expired(&self) -> MutexGuard<'_, HashMap<String, Instant>> {
+        self.expired.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Workers to poll: those without heartbeats.
     pub fn pollable(&self) -> Vec<String> {
         let map = self.lock();
@@ -285,10 +308,13 @@ impl Registry {
     pub fn expire(&self, timeout: Duration) {
         let now = Instant::now();
         let mut map = self.lock();
+        let mut expired = self.expired();
+        expired.retain(|_, at| now.duration_since(*at) < LOST_FOR);
         map.retain(|url, e| {
             let silent = now.duration_since(e.last_seen) > timeout;
             if silent && e.source == Source::Registered {
                 tracing::warn!(%url, "worker stopped heartbeating: removed");
+                expired.insert(url.clone(), now);
                 return false;
             }
             if silent {

@@ -82,6 +82,7 @@ async fn start_prompt(
         prompt: plan.tokens.clone(),
         sampling: prepared.params.for_choice(i, plan.max_tokens),
         prefer_decode,
+        avoid_decode: None,
     };
     let mut first = dispatcher.start(req(0, None)).await;
     let prefer = match &mut first {

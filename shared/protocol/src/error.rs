@@ -71,6 +71,9 @@ error_kinds! {
     NotReady => "not_ready",
     /// The worker's queue is full.
     Overloaded => "overloaded",
+    /// A draining decode worker hands a stream back, unfinished, for the
+    /// router to continue on another worker.
+    HandedBack => "handed_back",
     /// Not enough free KV now.
     KvExhausted => "kv_exhausted",
     /// More KV than the worker's whole budget: no retry can help.

@@ -42,6 +42,11 @@ pub struct SamplingSpec {
     pub ignore_eos: bool,
     /// Extra token ids that end the sequence.
     pub stop_token_ids: Vec<u32>,
+    /// How many of the prompt's last tokens this sequence generated itself
+    /// before (a stream the router migrated): they count for the presence
+    /// and frequency penalties as generated tokens. Sampling positions are
+    /// absolute, so the continuation is the one an unbroken run samples.
+    pub replayed_tokens: u32,
 }
 
 impl Default for SamplingSpec {
@@ -58,6 +63,7 @@ impl Default for SamplingSpec {
             max_tokens: 16,
             ignore_eos: false,
             stop_token_ids: Vec::new(),
+            replayed_tokens: 0,
         }
     }
 }

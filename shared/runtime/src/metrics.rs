@@ -37,6 +37,9 @@ pub const REQUESTS_IN_FLIGHT: &str = "pdserve_requests_in_flight";
 pub const WORKERS: &str = "pdserve_workers";
 pub const PREFILL_RETRIES_TOTAL: &str = "pdserve_prefill_retries_total";
 pub const WORKER_ERRORS_TOTAL: &str = "pdserve_worker_errors_total";
+pub const MIGRATIONS_TOTAL: &str = "pdserve_migrations_total";
+pub const RUNTIME_ALIVE_TASKS: &str = "pdserve_runtime_alive_tasks";
+pub const MIGRATION_LOST_SECONDS: &str = "pdserve_migration_lost_seconds";
 // The autoscaler's signals and decision (router).
 pub const PREFILL_BACKLOG_SECONDS: &str = "pdserve_prefill_backlog_seconds";
 pub const POOL_KV_USAGE_RATIO: &str = "pdserve_pool_kv_usage_ratio";
@@ -51,6 +54,8 @@ pub mod labels {
     pub const STATUS_OK: &str = "ok";
     pub const STATUS_ERROR: &str = "error";
     pub const STATUS_CANCELLED: &str = "cancelled";
+    /// A draining decode worker gave the stream back to the router.
+    pub const STATUS_HANDED_BACK: &str = "handed_back";
     /// KV block states.
     pub const KV_BLOCKS_USED: &str = "used";
     pub const KV_BLOCKS_CACHED: &str = "cached";
@@ -175,10 +180,28 @@ pub fn histogram(
 
 /// The registry in Prometheus text format.
 pub fn render(registry: &Registry) -> String {
+    let mut families = registry.gather();
+    families.extend(runtime_families());
     let mut out = Vec::new();
     // Encoding into a Vec cannot fail for well-formed metrics.
-    let _ = TextEncoder::new().encode(&registry.gather(), &mut out);
+    let _ = TextEncoder::new().encode(&families, &mut out);
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The process's own tokio runtime, read at each scrape: its live tasks
+/// (a leak of tasks shows as a rising count at a flat load).
+fn runtime_families() -> Vec<prometheus::proto::MetricFamily> {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return Vec::new();
+    };
+    let r = Registry::new();
+    let tasks = int_gauge(
+        &r,
+        RUNTIME_ALIVE_TASKS,
+        "Tasks alive in the process's tokio runtime.",
+    );
+    tasks.set(handle.metrics().num_alive_tasks() as i64);
+    r.gather()
 }
 
 #[cfg(test)]

@@ -155,6 +155,11 @@ pub fn is_fd_exhaustion(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// How long an internal client keeps an idle pooled connection. Short, so
+/// that after a burst the connections (and their file descriptors) on both
+/// ends go back to their baseline within seconds, not minutes.
+pub const POOL_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -50,8 +50,10 @@ pub struct DrainArgs {
 
 /// What the drain needs to know about a worker.
 pub struct Drain {
-    /// Called once when draining starts: readiness turns 503 and new work is refused.
-    pub stop_accepting: Box<dyn FnOnce() + Send>,
+    /// Called once when draining starts, with the drain's deadline:
+    /// readiness turns 503, new work is refused, and work that cannot end
+    /// in time may be handed back.
+    pub stop_accepting: Box<dyn FnOnce(std::time::Instant) + Send>,
     /// Work still in flight: queued, running, or delivering its result.
     pub in_flight: Box<dyn Fn() -> u64 + Send + Sync>,
     /// How long in-flight work may take after the signal.
@@ -101,8 +103,8 @@ pub fn no_delay(
 /// Resolves once draining is done: nothing in flight, or the deadline passed.
 async fn drained(token: CancellationToken, drain: Drain) {
     token.cancelled().await;
-    (drain.stop_accepting)();
     let until = tokio::time::Instant::now() + drain.deadline;
+    (drain.stop_accepting)(until.into_std());
     let mut tick = tokio::time::interval(Duration::from_millis(20));
     loop {
         let left = (drain.in_flight)();
@@ -131,7 +133,7 @@ mod tests {
     fn drain(work: &Arc<AtomicU64>, ready: &Arc<AtomicBool>, deadline: Duration) -> Drain {
         let (work, ready) = (work.clone(), ready.clone());
         Drain {
-            stop_accepting: Box::new(move || ready.store(false, Ordering::Relaxed)),
+            stop_accepting: Box::new(move |_| ready.store(false, Ordering::Relaxed)),
             in_flight: Box::new(move || work.load(Ordering::Relaxed)),
             deadline,
         }

@@ -118,6 +118,13 @@ impl TokenCounts {
         Self::default()
     }
 
+    /// The counts a sequence resumes with: the last `replayed` tokens of
+    /// `prompt` are its own earlier output (a migrated stream).
+    pub fn replayed(prompt: &[u32], replayed: u32) -> Self {
+        let from = prompt.len().saturating_sub(replayed as usize);
+        prompt[from..].iter().copied().collect()
+    }
+
     /// Records one more occurrence of `token`.
     pub fn add(&mut self, token: u32) {
         let count = self.counts.entry(token).or_insert(0);

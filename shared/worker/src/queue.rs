@@ -2,7 +2,8 @@
 //! `/load`, the metrics and the drain read.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use pdserve_protocol::internal::{ErrorBody, ErrorKind, KvReport, LoadReport};
 use pdserve_protocol::prefix::PrefixDigest;
@@ -24,9 +25,28 @@ pub struct EngineStats {
     tokens_per_second: AtomicU64,
     /// Numbers the load reports (see [`EngineStats::acknowledge`]).
     report_seq: AtomicU64,
+    /// When the worker's drain ends, once it drains.
+    drain_deadline: Mutex<Option<Instant>>,
 }
 
 impl EngineStats {
+    /// The worker drains until `deadline`: the engine hands back what
+    /// cannot finish by then.
+    pub fn start_drain(&self, deadline: Instant) {
+        *self
+            .drain_deadline
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(deadline);
+    }
+
+    /// The drain's deadline, while draining.
+    pub fn drain_deadline(&self) -> Option<Instant> {
+        *self
+            .drain_deadline
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
     pub fn queued_requests(&self) -> u64 {
         self.queued_requests.load(Ordering::Relaxed)
     }
@@ -62,8 +82,8 @@ impl EngineStats {
         if running {
             self.running.fetch_add(1, Ordering::Relaxed);
         }
-        self.queued_requests.fetch_sub(1, Ordering::Relaxed);
-        self.queued_tokens.fetch_sub(tokens, Ordering::Relaxed);
+        saturating_sub(&self.queued_requests, 1);
+        saturating_sub(&self.queued_tokens, tokens);
     }
 
     pub fn tokens_per_second(&self) -> f64 {
@@ -122,6 +142,13 @@ impl EngineStats {
             prefix_cache: None,
         }
     }
+}
+
+/// Subtracts without wrapping: a count that went wrong reads 0, not 2^64.
+fn saturating_sub(counter: &AtomicU64, n: u64) {
+    let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+        Some(v.saturating_sub(n))
+    });
 }
 
 /// The sending side of an engine's bounded queue.

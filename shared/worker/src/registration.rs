@@ -63,6 +63,7 @@ pub fn spawn(
     let headers = token.client_headers();
     tokio::spawn(async move {
         let client = reqwest::Client::builder()
+            .pool_idle_timeout(pdserve_runtime::net::POOL_IDLE_TIMEOUT)
             .default_headers(headers)
             .timeout(Duration::from_secs(2))
             .build()

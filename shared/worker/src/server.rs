@@ -58,6 +58,11 @@ pub trait Served: Send + Sync + 'static {
     /// The load report the router balances and scales on.
     fn load_report(&self) -> LoadReport;
     fn readiness(&self) -> &Readiness;
+    /// Draining starts, to end by `deadline`: stop taking work (and hand
+    /// back what cannot finish in time).
+    fn start_drain(self: &Arc<Self>, _deadline: std::time::Instant) {
+        self.readiness().stop();
+    }
     /// Work still in flight: queued, running, or delivering its result.
     fn in_flight(&self) -> u64;
     /// `GET /metrics`.
@@ -99,8 +104,8 @@ pub struct Service {
     pub app: axum::Router,
     pub registration: WorkerRegistration,
     pub load: Arc<dyn Fn() -> LoadReport + Send + Sync>,
-    /// Turns readiness off (called once when draining starts).
-    pub stop_accepting: Box<dyn FnOnce() + Send>,
+    /// Turns readiness off (called once when draining starts, with its deadline).
+    pub stop_accepting: Box<dyn FnOnce(std::time::Instant) + Send>,
     /// Work still in flight: queued, running, or delivering its result.
     pub in_flight: Box<dyn Fn() -> u64 + Send + Sync>,
 }
@@ -126,7 +131,7 @@ impl Service {
                 worker_id: None,
             },
             load: Arc::new(move || load.load_report()),
-            stop_accepting: Box::new(move || stop.readiness().stop()),
+            stop_accepting: Box::new(move |deadline| stop.start_drain(deadline)),
             in_flight: Box::new(move || count.in_flight()),
         }
     }

@@ -6,7 +6,13 @@ use pdserve_protocol::internal::{
 };
 use pdserve_text::{ModelConfig, SamplingParams};
 
-fn sampling(spec: &SamplingSpec) -> Result<(), ErrorBody> {
+fn sampling(spec: &SamplingSpec, prompt_len: usize) -> Result<(), ErrorBody> {
+    if spec.replayed_tokens as usize >= prompt_len {
+        return Err(ErrorBody::fatal(
+            ErrorKind::InvalidSampling,
+            "replayed_tokens must be below the prompt's length",
+        ));
+    }
     SamplingParams::from(spec)
         .validate()
         .map_err(|e| ErrorBody::fatal(ErrorKind::InvalidSampling, e.to_string()))
@@ -23,7 +29,7 @@ pub fn generate(config: &ModelConfig, req: &GenerateRequest) -> Result<(), Error
     }
     let max_new = req.sampling.max_tokens as usize;
     config.check_prompt(&req.prompt_tokens, max_new)?;
-    sampling(&req.sampling)
+    sampling(&req.sampling, req.prompt_tokens.len())
 }
 
 /// A prefill job: a prompt that fits, fewer cached tokens than it has, and
@@ -44,5 +50,5 @@ pub fn prefill(config: &ModelConfig, job: &PrefillJob) -> Result<(), ErrorBody> 
             format!("kv_destination `{url}` is not an http(s) URL"),
         ));
     }
-    sampling(&job.sampling)
+    sampling(&job.sampling, job.prompt_tokens.len())
 }

@@ -28,10 +28,11 @@ use pdserve_protocol::kvwire::{KvDtype, KvShape};
 use pdserve_protocol::prefix::PrefixDigest;
 use pdserve_runtime::auth::InternalToken;
 use pdserve_text::{ModelConfig, Sampled};
+use sequence::HANDBACK_MARGIN as MARGIN;
 use tokio::sync::mpsc;
 
 pub use metrics::DecodeMetrics;
-pub use sequence::{retire_closed, Outcome, SeqStream};
+pub use sequence::{retire, Outcome, SeqStream, HANDBACK_MARGIN};
 
 use crate::kv::{KvArgs, KvReport};
 use crate::queue::EngineStats;
@@ -201,6 +202,18 @@ impl<B: DecodeBackend> DecodeServer<B> {
     pub fn waiting_for_kv(&self) -> usize {
         self.pending().len()
     }
+
+    /// Draining: hands back the reservations still waiting for their KV
+    /// (the router places them, and their prefill, elsewhere).
+    fn hand_back_waiting(&self) {
+        let waiting: Vec<_> = self.pending().drain().collect();
+        for (id, p) in waiting {
+            tracing::info!(request_id = %id, "draining: reservation handed back before its KV");
+            let kind = pdserve_protocol::internal::ErrorKind::HandedBack;
+            let body = ErrorBody::retryable(kind, "the decode worker is draining");
+            let _ = p.events.send(GenerateEvent::Error(body));
+        }
+    }
 }
 
 impl<B: DecodeBackend> Served for DecodeServer<B> {
@@ -221,6 +234,20 @@ impl<B: DecodeBackend> Served for DecodeServer<B> {
 
     fn readiness(&self) -> &Readiness {
         &self.readiness
+    }
+
+    /// Stops admitting and tells the engine to hand back what cannot
+    /// finish by `deadline`; reservations still waiting for their KV at the
+    /// margin before the deadline are handed back then.
+    fn start_drain(self: &Arc<Self>, deadline: std::time::Instant) {
+        self.readiness.stop();
+        self.backend.stats().start_drain(deadline);
+        let server = self.clone();
+        let cutoff = deadline.checked_sub(MARGIN).unwrap_or(deadline);
+        tokio::spawn(async move {
+            tokio::time::sleep_until(cutoff.into()).await;
+            server.hand_back_waiting();
+        });
     }
 
     /// Sequences queued, running or waiting for their KV.

@@ -2,13 +2,15 @@
 //! what was generated, when it ends, and the events that say so.
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
-use pdserve_protocol::internal::{ErrorBody, FinishReason, GenerateEvent, SamplingSpec};
+use pdserve_protocol::internal::{ErrorBody, ErrorKind, FinishReason, GenerateEvent, SamplingSpec};
 use pdserve_runtime::metrics::labels;
 use pdserve_text::Sampled;
 use tokio::sync::mpsc;
 
 use super::DecodeMetrics;
+use crate::queue::EngineStats;
 
 /// What happened to a sequence after a token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +89,18 @@ impl SeqStream {
         Outcome::Done
     }
 
+    /// Gives the unfinished sequence back to the router, which continues
+    /// it on another worker (the worker is draining).
+    pub fn hand_back(&self, metrics: &DecodeMetrics) {
+        tracing::info!(request_id = %self.request_id, generated = self.generated, "draining: stream handed back");
+        metrics.finished(labels::STATUS_HANDED_BACK, 1);
+        let err = ErrorBody::retryable(
+            ErrorKind::HandedBack,
+            "the decode worker is draining: continue the stream elsewhere",
+        );
+        let _ = self.events.send(GenerateEvent::Error(err));
+    }
+
     /// Ends the sequence with `err`.
     pub fn fail(&self, err: ErrorBody, metrics: &DecodeMetrics) {
         tracing::warn!(request_id = %self.request_id, "sequence failed: {err}");
@@ -95,9 +109,24 @@ impl SeqStream {
     }
 }
 
+/// Between two steps: drops the sequences whose client went away and, while
+/// the worker drains (see [`EngineStats::start_drain`]), hands back those
+/// that cannot finish in time at `step_secs` a token.
+pub fn retire<S>(
+    (active, waiting): (&mut Vec<S>, &mut VecDeque<S>),
+    stream: impl Fn(&S) -> &SeqStream + Copy,
+    (stats, step_secs): (&EngineStats, f64),
+    metrics: &DecodeMetrics,
+) {
+    retire_closed(active, waiting, stream, metrics);
+    if let Some(deadline) = stats.drain_deadline() {
+        hand_back((active, waiting), stream, (deadline, step_secs), metrics);
+    }
+}
+
 /// Drops the sequences of `active` and `waiting` whose client went away,
 /// counting them `cancelled` (dropping a sequence frees its KV).
-pub fn retire_closed<S>(
+fn retire_closed<S>(
     active: &mut Vec<S>,
     waiting: &mut VecDeque<S>,
     stream: impl Fn(&S) -> &SeqStream,
@@ -108,4 +137,34 @@ pub fn retire_closed<S>(
     waiting.retain(|s| !stream(s).is_closed());
     let gone = before - active.len() - waiting.len();
     metrics.finished(labels::STATUS_CANCELLED, gone as u64);
+}
+
+/// How long before the drain deadline the last streams are handed back, so
+/// that the router has them before the worker closes their connections.
+pub const HANDBACK_MARGIN: Duration = Duration::from_millis(500);
+
+/// While draining to `deadline`: hands back every sequence that would not
+/// reach `max_tokens` before the deadline (less [`HANDBACK_MARGIN`]) at
+/// `step_secs` a token (the rest finish here), and at the margin whatever
+/// still runs or waits.
+fn hand_back<S>(
+    (active, waiting): (&mut Vec<S>, &mut VecDeque<S>),
+    stream: impl Fn(&S) -> &SeqStream,
+    (deadline, step_secs): (Instant, f64),
+    metrics: &DecodeMetrics,
+) {
+    let cutoff = deadline.checked_sub(HANDBACK_MARGIN).unwrap_or(deadline);
+    let now = Instant::now();
+    let keep = |s: &S| {
+        let s = stream(s);
+        let left = s.spec.max_tokens.saturating_sub(s.generated);
+        let secs = f64::from(left) * step_secs.max(0.0);
+        let in_time = now < cutoff && now + Duration::from_secs_f64(secs.min(1e6)) < cutoff;
+        if !in_time {
+            s.hand_back(metrics);
+        }
+        in_time
+    };
+    waiting.retain(&keep);
+    active.retain(keep);
 }

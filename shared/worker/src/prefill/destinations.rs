@@ -72,6 +72,7 @@ impl Destinations {
             .map(|u| worker_base(u).map_err(|e| format!("--decode-url: {e}")))
             .collect::<Result<_, _>>()?;
         let client = reqwest::Client::builder()
+            .pool_idle_timeout(pdserve_runtime::net::POOL_IDLE_TIMEOUT)
             .default_headers(token.client_headers())
             .timeout(Duration::from_secs(2))
             .build()

@@ -3,7 +3,7 @@
 //! receiver that reads slower than that fails its own job only, never the
 //! model thread and the rest of its batch.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -22,6 +22,7 @@ pub struct FrameSender {
     tx: mpsc::UnboundedSender<Bytes>,
     queued: Arc<AtomicU64>,
     cap: u64,
+    started: Arc<AtomicBool>,
 }
 
 /// The upload's end.
@@ -29,18 +30,26 @@ pub struct FrameSender {
 pub struct FrameReceiver {
     rx: mpsc::UnboundedReceiver<Bytes>,
     queued: Arc<AtomicU64>,
+    started: Arc<AtomicBool>,
 }
 
 /// A frame channel holding at most `cap` bytes not yet taken by the upload.
 pub fn channel(cap: u64) -> (FrameSender, FrameReceiver) {
     let (tx, rx) = mpsc::unbounded_channel();
     let queued = Arc::new(AtomicU64::new(0));
+    let started = Arc::new(AtomicBool::new(false));
     let sender = FrameSender {
         tx,
         queued: queued.clone(),
         cap: cap.max(1),
+        started: started.clone(),
     };
-    (sender, FrameReceiver { rx, queued })
+    let receiver = FrameReceiver {
+        rx,
+        queued,
+        started,
+    };
+    (sender, receiver)
 }
 
 impl FrameSender {
@@ -48,6 +57,7 @@ impl FrameSender {
     /// stopped or when the receiver is so slow that the frames would exceed
     /// the cap (the first frame is always taken).
     pub fn send(&self, frame: Bytes) -> Result<(), ErrorBody> {
+        self.started.store(true, Ordering::Release);
         let n = frame.len() as u64;
         let before = self.queued.fetch_add(n, Ordering::AcqRel);
         if before > 0 && before.saturating_add(n) > self.cap {
@@ -73,6 +83,12 @@ impl FrameSender {
 }
 
 impl FrameReceiver {
+    /// Becomes true once the engine has sent the first frame: the job is
+    /// being computed, no longer queued.
+    pub fn started(&self) -> Arc<AtomicBool> {
+        self.started.clone()
+    }
+
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
         let polled = self.rx.poll_recv(cx);
         if let Poll::Ready(Some(frame)) = &polled {

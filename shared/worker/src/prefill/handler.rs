@@ -1,5 +1,6 @@
 //! `POST /v1/internal/prefill` and its `DELETE`.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,18 +20,46 @@ use super::{cancelled, Computed, PrefillBackend, PrefillServer, PrefillTask};
 use crate::http::{json_body, ndjson, ApiError};
 use crate::upload::upload;
 
+/// A job as the server tracks it, for `DELETE` and the drain.
+pub(super) struct Tracked {
+    cancel: CancellationToken,
+    /// Set once the engine sends the job's first KV frame.
+    started: Arc<AtomicBool>,
+    handed_back: Arc<AtomicBool>,
+}
+
+impl Tracked {
+    /// Returns a job the engine has not started to the router (cancelling
+    /// it here); true if it was still queued.
+    pub(super) fn hand_back(&self) -> bool {
+        if self.started.load(Ordering::Acquire) {
+            return false;
+        }
+        self.handed_back.store(true, Ordering::Release);
+        self.cancel.cancel();
+        true
+    }
+}
+
 /// Cancels the job when the handler ends for any reason, including the
 /// router dropping the request; the engine stops after the current layer.
 struct JobGuard<B: PrefillBackend> {
     server: Arc<PrefillServer<B>>,
     id: String,
     cancel: CancellationToken,
+    handed_back: Arc<AtomicBool>,
 }
 
 impl<B: PrefillBackend> JobGuard<B> {
-    /// Registers a job (for `DELETE`), refusing an id already in progress.
-    fn track(server: &Arc<PrefillServer<B>>, id: &str) -> Result<Self, ApiError> {
+    /// Registers a job (for `DELETE` and the drain), refusing an id already
+    /// in progress.
+    fn track(
+        server: &Arc<PrefillServer<B>>,
+        id: &str,
+        started: Arc<AtomicBool>,
+    ) -> Result<Self, ApiError> {
         let cancel = CancellationToken::new();
+        let handed_back = Arc::new(AtomicBool::new(false));
         let mut jobs = server.jobs();
         if jobs.contains_key(id) {
             let msg = "a job with this id is in progress";
@@ -39,12 +68,30 @@ impl<B: PrefillBackend> JobGuard<B> {
                 msg,
             )));
         }
-        jobs.insert(id.to_string(), cancel.clone());
+        let tracked = Tracked {
+            cancel: cancel.clone(),
+            started,
+            handed_back: handed_back.clone(),
+        };
+        jobs.insert(id.to_string(), tracked);
         Ok(Self {
             server: server.clone(),
             id: id.to_string(),
             cancel,
+            handed_back,
         })
+    }
+
+    /// Why the job ended early: a drain handed it back (retryable), or its
+    /// caller cancelled it.
+    fn cancelled(&self) -> ErrorBody {
+        match self.handed_back.load(Ordering::Acquire) {
+            true => ErrorBody::retryable(
+                ErrorKind::NotReady,
+                "the prefill worker is draining: the job was returned before it started",
+            ),
+            false => cancelled(),
+        }
     }
 }
 
@@ -69,8 +116,8 @@ pub(super) async fn prefill<B: PrefillBackend>(
     net.destinations
         .check(&job.kv_destination, &job.request_id)
         .await?;
-    let guard = JobGuard::track(&server, &job.request_id)?;
     let (frames_tx, frames_rx) = frames::channel(net.upload_buffer_bytes);
+    let guard = JobGuard::track(&server, &job.request_id, frames_rx.started())?;
     let (reply_tx, reply_rx) = oneshot::channel();
     // The router's deadline, capped by this worker's own.
     let deadline = Duration::from_millis(job.deadline_ms.max(1)).min(net.max_job);
@@ -94,6 +141,10 @@ pub(super) async fn prefill<B: PrefillBackend>(
     let outcome = async move {
         let work = deliver(&server, &url, frames_rx, reply_rx);
         let result = until_deadline_or_cancel(work, deadline, &guard.cancel).await;
+        let result = result.map_err(|e| match e.kind == ErrorKind::Cancelled {
+            true => guard.cancelled(),
+            false => e,
+        });
         drop(guard);
         server.metrics.finished(result.is_ok());
         match result {
@@ -164,8 +215,8 @@ pub(super) async fn cancel<B: PrefillBackend>(
     Path(id): Path<String>,
 ) -> StatusCode {
     match server.jobs().get(&id) {
-        Some(token) => {
-            token.cancel();
+        Some(job) => {
+            job.cancel.cancel();
             StatusCode::OK
         }
         None => StatusCode::NOT_FOUND,

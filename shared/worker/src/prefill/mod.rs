@@ -126,8 +126,8 @@ pub struct PrefillServer<B> {
     metrics: Arc<PrefillMetrics>,
     net: PrefillNet,
     client: reqwest::Client,
-    /// Cancellation tokens of jobs queued, running or delivering, by request id.
-    jobs: Mutex<HashMap<String, CancellationToken>>,
+    /// Jobs queued, running or delivering, by request id.
+    jobs: Mutex<HashMap<String, handler::Tracked>>,
     readiness: Readiness,
 }
 
@@ -135,6 +135,7 @@ impl<B: PrefillBackend> PrefillServer<B> {
     /// The server over a started backend that reports into `metrics`.
     pub fn new(backend: B, metrics: Arc<PrefillMetrics>, net: PrefillNet) -> Arc<Self> {
         let client = reqwest::Client::builder()
+            .pool_idle_timeout(pdserve_runtime::net::POOL_IDLE_TIMEOUT)
             .default_headers(net.token.client_headers())
             .build()
             .unwrap_or_default();
@@ -157,7 +158,7 @@ impl<B: PrefillBackend> PrefillServer<B> {
         Service::new(self, Pool::Prefill, url, fingerprint, weights)
     }
 
-    fn jobs(&self) -> MutexGuard<'_, HashMap<String, CancellationToken>> {
+    fn jobs(&self) -> MutexGuard<'_, HashMap<String, handler::Tracked>> {
         // Entries are whole values: the map is consistent even after a panic.
         self.jobs.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -184,6 +185,19 @@ impl<B: PrefillBackend> Served for PrefillServer<B> {
 
     fn readiness(&self) -> &Readiness {
         &self.readiness
+    }
+
+    /// Stops taking jobs and returns the queued ones at once, retryable, for
+    /// the router to run elsewhere; the ones being computed finish.
+    fn start_drain(self: &Arc<Self>, _deadline: std::time::Instant) {
+        self.readiness.stop();
+        let returned = self.jobs().values().filter(|j| j.hand_back()).count();
+        if returned > 0 {
+            tracing::info!(
+                jobs = returned,
+                "draining: queued prefill jobs returned to the router"
+            );
+        }
     }
 
     /// Jobs queued, running, or still delivering their KV.
