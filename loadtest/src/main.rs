@@ -2,6 +2,7 @@
 //! micro-benchmarks of pdserve's own components.
 
 mod batch_bench;
+mod chaos;
 mod engine_bench;
 mod kv_bench;
 mod run;
@@ -24,6 +25,8 @@ enum Command {
     Engine(engine_bench::EngineArgs),
     /// Benchmark moving one sequence's KV: export, wire encode/decode, import.
     Kv(kv_bench::KvArgs),
+    /// Drive a local cluster under load and inject faults (docs/chaos.md).
+    Chaos(chaos::ChaosArgs),
     /// Benchmark several short prompts in one forward pass against one by one.
     PrefillBatch(batch_bench::BatchArgs),
 }
@@ -35,6 +38,12 @@ fn main() -> anyhow::Result<()> {
                 .enable_all()
                 .build()?;
             runtime.block_on(run::run(*args)).map(|_| ())
+        }
+        Command::Chaos(args) => {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(chaos::run(args))
         }
         Command::Engine(args) => engine_bench::run(args),
         Command::Kv(args) => kv_bench::run(args),
