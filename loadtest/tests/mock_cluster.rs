@@ -1,25 +1,14 @@
 //! `pdserve-loadtest run` against a real router over mock-engine workers:
 //! the JSON report accounts for exactly the requests sent.
 
+mod common;
+
 use clap::Parser;
-use pdserve_testkit::http::{bind, serve_on, wait_ready};
+use common::mock;
+use pdserve_testkit::http::{bind, wait_ready};
 use pdserve_testkit::tiny::TinyModel;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
-
-async fn mock(model: &str, pool: &str, extra: &[&str]) -> String {
-    let (listener, url) = bind().await;
-    let mut argv = vec!["mock", "--pool", pool, "--model", model];
-    argv.extend_from_slice(extra);
-    let args = pdserve_mock_worker::Args::parse_from(argv);
-    serve_on(
-        listener,
-        pdserve_mock_worker::build(&args, url.clone())
-            .unwrap()
-            .app(),
-    );
-    url
-}
 
 /// A router over one mock prefill and one mock decode worker.
 async fn cluster(model: &str) -> String {

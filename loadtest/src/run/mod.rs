@@ -4,6 +4,7 @@
 mod arrivals;
 mod client;
 mod plots;
+mod procs;
 mod report;
 mod runner;
 mod scrape;
@@ -101,16 +102,10 @@ pub struct RunArgs {
     /// Write a Markdown report with SVG plots into this folder.
     #[arg(long, env = "PDSERVE_LOADTEST_REPORT")]
     pub report: Option<PathBuf>,
-    /// A Prometheus `/metrics` URL (e.g. the router's) to scrape during the run.
-    #[arg(long, env = "PDSERVE_LOADTEST_SCRAPE_METRICS")]
-    pub scrape_metrics: Option<String>,
-    /// Milliseconds between scrapes.
-    #[arg(
-        long,
-        env = "PDSERVE_LOADTEST_SCRAPE_INTERVAL_MS",
-        default_value_t = 1000
-    )]
-    pub scrape_interval_ms: u64,
+    /// Scraping `/metrics`, sampling processes and the leak check.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub monitor: scrape::MonitorArgs,
     /// No progress bar.
     #[arg(long, env = "PDSERVE_LOADTEST_NO_PROGRESS")]
     pub no_progress: bool,
@@ -142,7 +137,11 @@ pub struct RunReport {
     pub model: String,
     pub started_unix: u64,
     pub points: Vec<Point>,
+    /// Every scraped and process sample, from the baseline to the leak check.
     pub scrape: Vec<scrape::Sample>,
+    /// Each sampled series over the load (after the warm-up).
+    pub trends: stats::Trends,
+    pub leak_check: Option<scrape::LeakCheck>,
 }
 
 impl RunArgs {
@@ -162,7 +161,7 @@ impl RunArgs {
         if self.workload.workload == workload::Kind::Chat && self.endpoint != Endpoint::Chat {
             bail!("--workload chat needs --endpoint chat");
         }
-        Ok(())
+        self.monitor.check()
     }
 
     fn points(&self) -> Vec<(Load, &'static str, f64)> {
@@ -356,6 +355,7 @@ async fn run_point(
     Ok(records)
 }
 
+/// Runs the load and writes its outputs; fails if the leak check does.
 pub async fn run(args: RunArgs) -> anyhow::Result<RunReport> {
     args.check()?;
     let client = http_client()?;
@@ -363,28 +363,35 @@ pub async fn run(args: RunArgs) -> anyhow::Result<RunReport> {
     let targets = args.targets(&model);
     let started_unix = unix_now();
     let run_start = Instant::now();
-    let scraper = args.scrape_metrics.clone().map(|url| {
-        scrape::spawn(
-            client.clone(),
-            url,
-            Duration::from_millis(args.scrape_interval_ms),
-            run_start,
-        )
-    });
-    let points = run_points(&args, &client, &targets, run_start).await?;
-    let scrape = match scraper {
-        Some(s) => s.finish().await,
-        None => Vec::new(),
+    let monitor = match args.monitor.config() {
+        Some(cfg) => Some(scrape::Monitor::start(cfg, run_start).await?),
+        None => None,
     };
+    let load_start = run_start.elapsed().as_secs_f64();
+    let points = run_points(&args, &client, &targets, run_start).await?;
+    // Its idle connections would count as open fds at the servers.
+    drop(client);
+    let load_end = run_start.elapsed().as_secs_f64();
+    let monitored = match monitor {
+        Some(m) => m.finish().await,
+        None => scrape::Monitored::default(),
+    };
+    let trend_start = (load_start + args.warmup).min(load_end);
     let report = RunReport {
         args: args.clone(),
         model,
         started_unix,
         points,
-        scrape,
+        trends: stats::trends(&monitored.samples, trend_start, load_end),
+        scrape: monitored.samples,
+        leak_check: monitored.leak_check,
     };
+    report::print_monitoring(&report);
     write_outputs(&args, &report)?;
-    Ok(report)
+    match &report.leak_check {
+        Some(check) if !check.passed => bail!(report::leak_line(check)),
+        _ => Ok(report),
+    }
 }
 
 fn http_client() -> reqwest::Result<reqwest::Client> {

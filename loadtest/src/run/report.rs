@@ -5,7 +5,8 @@ use std::path::Path;
 
 use anyhow::Context;
 
-use super::stats::Summary;
+use super::scrape::LeakCheck;
+use super::stats::{Summary, Trends};
 use super::{plots, Point, RunReport};
 
 fn ms(x: f64) -> String {
@@ -103,9 +104,117 @@ pub fn write_report(dir: &Path, report: &RunReport) -> anyhow::Result<()> {
         md.push_str(&table(p));
         md.push('\n');
     }
+    md.push_str(&monitoring(report));
     for (file, title) in plots::write_all(dir, report)? {
         let _ = writeln!(md, "## {title}\n\n![{title}]({file})\n");
     }
     std::fs::write(dir.join("report.md"), md)?;
     Ok(())
+}
+
+/// `x` in few characters: 17, 0.25, 51.2k, 1.4G.
+fn compact(x: f64) -> String {
+    let a = x.abs();
+    let (v, unit) = match a {
+        _ if a >= 1e9 => (x / 1e9, "G"),
+        _ if a >= 1e6 => (x / 1e6, "M"),
+        _ if a >= 1e4 => (x / 1e3, "k"),
+        _ => (x, ""),
+    };
+    match (unit, v.fract() == 0.0) {
+        ("", true) => format!("{v:.0}"),
+        ("", false) if a >= 100.0 => format!("{v:.0}"),
+        ("", false) => format!("{v:.2}"),
+        _ => format!("{v:.1}{unit}"),
+    }
+}
+
+/// One row per sampled series: first, last and largest value over the load
+/// and the least-squares slope per hour.
+pub fn trend_table(trends: &Trends) -> String {
+    let mut out = format!(
+        "trends over the load ({:.0} s to {:.0} s)\n\n| series | samples | first | last | max | slope/h |\n|---|---|---|---|---|---|\n",
+        trends.from_s, trends.to_s
+    );
+    for t in &trends.series {
+        let slope = match t.slope_per_hour {
+            Some(s) if s > 0.0 => format!("+{}", compact(s)),
+            Some(s) => compact(s),
+            None => "–".into(),
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {slope} |",
+            t.series,
+            t.samples,
+            compact(t.first),
+            compact(t.last),
+            compact(t.max)
+        );
+    }
+    out
+}
+
+/// `leak check: passed …` or `leak check: FAILED: <series> (baseline, now, allowed); …`.
+pub fn leak_line(c: &LeakCheck) -> String {
+    let value = |v: Option<f64>| v.map_or("none".to_string(), compact);
+    match (c.passed, c.checked) {
+        (true, n) => format!(
+            "leak check: passed ({n} series back at baseline after {:.1} s)",
+            c.waited_s
+        ),
+        (false, 0) => "leak check: FAILED: no open-fd, KV or in-flight series to compare".into(),
+        (false, _) => {
+            let leaks: Vec<String> = (c.leaks.iter())
+                .map(|l| {
+                    format!(
+                        "{} (baseline {}, now {}, allowed {})",
+                        l.series,
+                        value(l.baseline),
+                        value(l.now),
+                        compact(l.allowed)
+                    )
+                })
+                .collect();
+            format!(
+                "leak check: FAILED after {:.1} s: {}",
+                c.waited_s,
+                leaks.join("; ")
+            )
+        }
+    }
+}
+
+/// The trend table and the leak check's verdict (empty when nothing was sampled).
+fn monitoring(report: &RunReport) -> String {
+    let mut out = String::new();
+    if !report.trends.series.is_empty() {
+        let _ = writeln!(out, "{}", trend_table(&report.trends));
+    }
+    if let Some(c) = &report.leak_check {
+        let _ = writeln!(out, "{}\n", leak_line(c));
+    }
+    out
+}
+
+/// Prints the trend table and the leak check's verdict.
+pub fn print_monitoring(report: &RunReport) {
+    let text = monitoring(report);
+    if !text.is_empty() {
+        println!("\n{}", text.trim_end());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_are_compact() {
+        let got: Vec<String> = [17.0, 0.25, 512.4, 51_200.0, 1.5e6, -2.4e9]
+            .into_iter()
+            .map(compact)
+            .collect();
+        assert_eq!(got, ["17", "0.25", "512", "51.2k", "1.5M", "-2.4G"]);
+    }
 }

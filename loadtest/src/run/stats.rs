@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::scrape::Sample;
+
 /// What one request measured. Times are seconds; `start` is from the run's start.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Record {
@@ -233,6 +235,74 @@ fn latencies(s: &mut Summary, measured: &[&Record]) {
     s.e2e = percentiles(&ok.iter().map(|r| r.e2e).collect::<Vec<_>>());
 }
 
+/// A sampled series' course over the load.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Trend {
+    pub series: String,
+    /// Samples within the window.
+    pub samples: usize,
+    pub first: f64,
+    pub last: f64,
+    pub max: f64,
+    /// Least-squares slope in the series' unit per hour (`None` with fewer
+    /// than two sample times).
+    pub slope_per_hour: Option<f64>,
+}
+
+/// Every sampled series' trend over one window of the run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Trends {
+    /// Start of the window, seconds since the run started (after the warm-up).
+    pub from_s: f64,
+    /// End of the window: the end of the load.
+    pub to_s: f64,
+    pub series: Vec<Trend>,
+}
+
+/// Least-squares slope of `(t, y)` points, in `y` per unit of `t`; `None`
+/// with fewer than two distinct times.
+pub fn slope(points: &[(f64, f64)]) -> Option<f64> {
+    let n = points.len() as f64;
+    if points.len() < 2 {
+        return None;
+    }
+    let mean_t = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let mean_y = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let (mut cov, mut var) = (0.0, 0.0);
+    for (t, y) in points {
+        cov += (t - mean_t) * (y - mean_y);
+        var += (t - mean_t) * (t - mean_t);
+    }
+    (var > 1e-12).then(|| cov / var)
+}
+
+/// The trend of every series among `samples` between `from` and `to` seconds.
+pub fn trends(samples: &[Sample], from: f64, to: f64) -> Trends {
+    let mut by_series: BTreeMap<&str, Vec<(f64, f64)>> = BTreeMap::new();
+    for s in samples.iter().filter(|s| s.t >= from && s.t <= to) {
+        (by_series.entry(&s.series).or_default()).push((s.t, s.value));
+    }
+    let series = by_series
+        .into_iter()
+        .map(|(series, mut points)| {
+            points.sort_by(|a, b| a.0.total_cmp(&b.0));
+            Trend {
+                series: series.to_string(),
+                samples: points.len(),
+                first: points[0].1,
+                last: points[points.len() - 1].1,
+                max: points.iter().map(|p| p.1).fold(f64::MIN, f64::max),
+                slope_per_hour: slope(&points).map(|per_s| per_s * 3600.0),
+            }
+        })
+        .collect();
+    Trends {
+        from_s: from,
+        to_s: to,
+        series,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -312,5 +382,43 @@ mod tests {
         let s = summarize(&[a, rec(1.0, 0.2, 1.0, 5)], &Slo::default(), None);
         assert_eq!(s.requests, 1);
         assert!((s.ttft.p50 - 0.2).abs() < 1e-9);
+    }
+
+    #[test]
+    fn slope_is_the_least_squares_fit() {
+        // Worked by hand: mean t 1.5, mean y 6, covariance 9.5, variance 5.
+        let pts = [(0.0, 3.0), (1.0, 5.5), (2.0, 6.5), (3.0, 9.0)];
+        let got = slope(&pts).unwrap();
+        assert!((got - 1.9).abs() < 1e-9, "{got}");
+        let line: Vec<(f64, f64)> = (0..10).map(|i| (i as f64, 7.0 - 0.5 * i as f64)).collect();
+        assert!((slope(&line).unwrap() + 0.5).abs() < 1e-9);
+        assert_eq!(slope(&[(1.0, 1.0)]), None);
+        assert_eq!(slope(&[(1.0, 1.0), (1.0, 5.0)]), None, "one time only");
+    }
+
+    #[test]
+    fn trends_per_series_in_the_window_per_hour() {
+        let sample = |t: f64, series: &str, value: f64| Sample {
+            t,
+            series: series.into(),
+            value,
+        };
+        let mut samples = vec![sample(0.0, "rss", 1e9)]; // before the window
+        for i in 1..=10 {
+            let t = i as f64;
+            samples.push(sample(t, "rss", 1000.0 + 2.0 * t)); // 2 B/s
+            samples.push(sample(t, "fds", 30.0));
+        }
+        let tr = trends(&samples, 1.0, 10.0);
+        assert_eq!((tr.from_s, tr.to_s), (1.0, 10.0));
+        let names: Vec<&str> = tr.series.iter().map(|t| t.series.as_str()).collect();
+        assert_eq!(names, vec!["fds", "rss"]);
+        let rss = &tr.series[1];
+        assert_eq!(
+            (rss.samples, rss.first, rss.last, rss.max),
+            (10, 1002.0, 1020.0, 1020.0)
+        );
+        assert!((rss.slope_per_hour.unwrap() - 7200.0).abs() < 1e-6);
+        assert_eq!(tr.series[0].slope_per_hour, Some(0.0));
     }
 }
