@@ -192,15 +192,15 @@ fn first_error(answers: &[Answer]) -> Option<String> {
 /// count and log-probabilities.
 fn same_as(reference: &[Answer], answers: &[Answer], m: &mut Measured) -> anyhow::Result<()> {
     let failed = answers.iter().filter(|a| !a.ok()).count();
+    let close = |x: &Vec<f64>, y: &Vec<f64>| {
+        x.len() == y.len() && x.iter().zip(y).all(|(a, b)| (a - b).abs() < 1e-3)
+    };
     let same = |r: &Answer, a: &Answer| {
         let lp = r.logprobs.len() == a.logprobs.len()
-            && r.logprobs
-                .iter()
-                .zip(&a.logprobs)
-                .all(|(x, y)| (x - y).abs() < 1e-3);
+            && r.logprobs.iter().zip(&a.logprobs).all(|(x, y)| close(x, y));
         let usage =
             (r.prompt_tokens, r.completion_tokens) == (a.prompt_tokens, a.completion_tokens);
-        r.text == a.text && usage && lp
+        r.texts == a.texts && usage && lp
     };
     let differ = reference
         .iter()

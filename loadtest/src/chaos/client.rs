@@ -15,17 +15,20 @@ pub struct Ask {
     pub max_tokens: u32,
     /// `None`: greedy; `Some(seed)`: temperature 1 with that seed.
     pub seed: Option<u64>,
+    /// Choices (`n`).
+    pub n: u32,
 }
 
 impl Ask {
     /// `n` requests, greedy and seeded in turn, on distinct prompts of
-    /// about `words` words.
+    /// about `words` words; every fourth asks for two choices.
     pub fn batch(n: usize, words: usize, max_tokens: u32) -> Vec<Ask> {
         (0..n)
             .map(|i| Ask {
                 prompt: prompt(i, words),
                 max_tokens,
                 seed: (i % 2 == 1).then_some(1000 + i as u64),
+                n: if i % 4 == 3 { 2 } else { 1 },
             })
             .collect()
     }
@@ -48,14 +51,17 @@ fn prompt(i: usize, words: usize) -> String {
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Answer {
     pub status: u16,
-    pub text: String,
+    /// Each choice's text, by index.
+    pub texts: Vec<String>,
+    /// Choices that finished.
+    pub finished: usize,
     /// Chunks with text received.
     pub chunks: usize,
     pub finish_reason: Option<String>,
     pub completion_tokens: Option<u64>,
     pub prompt_tokens: Option<u64>,
-    /// Each token's log-probability, in order.
-    pub logprobs: Vec<f64>,
+    /// Each choice's token log-probabilities, in order.
+    pub logprobs: Vec<Vec<f64>>,
     /// The error, for a request that failed.
     pub error: Option<String>,
     /// `Retry-After` of a refusal.
@@ -64,7 +70,7 @@ pub struct Answer {
 
 impl Answer {
     pub fn ok(&self) -> bool {
-        self.error.is_none() && self.status == 200 && self.finish_reason.is_some()
+        self.error.is_none() && self.status == 200 && self.finished == self.texts.len()
     }
 }
 
@@ -87,7 +93,7 @@ impl Client {
     ) -> Answer {
         let mut body = json!({
             "model": self.model, "prompt": ask.prompt, "max_tokens": ask.max_tokens,
-            "stream": true, "ignore_eos": true, "logprobs": 1,
+            "stream": true, "ignore_eos": true, "logprobs": 1, "n": ask.n,
             "stream_options": {"include_usage": true},
             "temperature": if ask.seed.is_some() { 1.0 } else { 0.0 },
         });
@@ -116,7 +122,7 @@ impl Client {
             a.retry_after = retry_after;
             return a;
         }
-        read_events(resp, progress, drop_after_first).await
+        read_events(resp, ask.n, progress, drop_after_first).await
     }
 }
 
@@ -131,11 +137,14 @@ fn failed(status: u16, error: String) -> Answer {
 /// Reads the SSE events of a streamed completion into an [`Answer`].
 async fn read_events(
     resp: reqwest::Response,
+    n: u32,
     progress: Option<Arc<AtomicUsize>>,
     drop_after_first: bool,
 ) -> Answer {
     let mut answer = Answer {
         status: 200,
+        texts: vec![String::new(); n as usize],
+        logprobs: vec![Vec::new(); n as usize],
         ..Answer::default()
     };
     let mut body = resp.bytes_stream();
@@ -186,17 +195,27 @@ fn apply(answer: &mut Answer, data: &str) {
         answer.completion_tokens = Some(n);
         answer.prompt_tokens = v["usage"]["prompt_tokens"].as_u64();
     }
-    let Some(choice) = v["choices"].get(0) else {
+    for choice in v["choices"].as_array().into_iter().flatten() {
+        apply_choice(answer, choice);
+    }
+}
+
+/// Applies one choice's delta to the answer.
+fn apply_choice(answer: &mut Answer, choice: &Value) {
+    let i = choice["index"].as_u64().unwrap_or(0) as usize;
+    if i >= answer.texts.len() {
+        answer.error = Some(format!("a choice index {i} beyond n"));
         return;
-    };
+    }
     if let Some(lps) = choice["logprobs"]["token_logprobs"].as_array() {
-        answer.logprobs.extend(lps.iter().filter_map(Value::as_f64));
+        answer.logprobs[i].extend(lps.iter().filter_map(Value::as_f64));
     }
     if let Some(t) = choice["text"].as_str().filter(|t| !t.is_empty()) {
-        answer.text.push_str(t);
+        answer.texts[i].push_str(t);
         answer.chunks += 1;
     }
     if let Some(r) = choice["finish_reason"].as_str() {
         answer.finish_reason = Some(r.to_string());
+        answer.finished += 1;
     }
 }

@@ -244,15 +244,26 @@ impl Pump {
         }
     }
 
-    /// Nothing came in time: the request's deadline (final), or a worker
-    /// gone silent (quarantined; the stream may migrate).
+    /// Nothing came in time: the request's deadline (final), or a stream
+    /// gone silent (it may migrate). The worker is quarantined only when
+    /// its heartbeats or polls stopped too: a worker that still reports is
+    /// slow for this stream, not dead for all of them.
     fn silent(&self) -> End {
         if tokio::time::Instant::now() >= self.deadline {
             let secs = self.dispatcher.cfg.request_timeout.as_secs();
             return End::Failed(ApiError::Deadline(secs), None);
         }
         let url = &self.decode.url;
-        self.dispatcher.registry.mark_down(url);
+        let idle = self
+            .dispatcher
+            .cfg
+            .migration
+            .idle_timeout
+            .unwrap_or_default();
+        let registry = &self.dispatcher.registry;
+        if !registry.heard_within(url, idle) {
+            registry.mark_down(url);
+        }
         let message = format!("{url}: the token stream went silent");
         let err = self.dispatcher.upstream(Pool::Decode, message);
         End::Failed(err, Some(reason::IDLE_TIMEOUT))

@@ -8,12 +8,12 @@
 //! one an unbroken run would have produced; the client sees one stream.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use pdserve_protocol::internal::{FinishReason, MAX_REQUEST_ID_LEN};
 use tokio::sync::mpsc;
 
-use super::pump::{End, Pump};
+use super::pump::{is_migratable, reason, End, Pump};
 use super::{Dispatcher, SeqEvent, SequenceRequest};
 use crate::error::ApiError;
 
@@ -157,31 +157,54 @@ impl Relay {
             tracing::warn!(request_id = %self.req.request_id, worker = %left, reason, "stream not migrated: {err}");
             return Err(err);
         }
-        self.migrations += 1;
         self.out.lost_since = Some(self.out.last_token);
-        let req = self.continuation(left);
-        match self.dispatcher.attempt(&req, self.deadline).await {
-            Ok(pump) => {
-                self.count(reason, outcome::MIGRATED);
-                self.out.replayed = generated;
-                tracing::warn!(
-                    request_id = %self.req.request_id, left = %left, joined = %pump.url(),
-                    reason, replayed = generated, migration = self.migrations,
-                    "stream migrated"
-                );
-                Ok(Some(pump))
+        self.place(reason, left, generated).await.map(Some)
+    }
+
+    /// Places the continuation, trying again (with backoff, within
+    /// `--migration-limit`) while no worker can take it for now.
+    async fn place(
+        &mut self,
+        reason: &'static str,
+        left: &str,
+        generated: u32,
+    ) -> Result<Pump, ApiError> {
+        loop {
+            self.migrations += 1;
+            let mut req = self.continuation();
+            if reason != reason::PREFILL_FAILED {
+                req.avoid_decode = Some(left.to_string());
             }
-            Err(e) => {
-                self.count(reason, outcome::FAILED);
-                tracing::warn!(request_id = %self.req.request_id, worker = %left, reason, "stream could not migrate: {e}");
-                Err(e)
+            let e = match self.dispatcher.attempt(&req, self.deadline).await {
+                Ok(pump) => {
+                    self.count(reason, outcome::MIGRATED);
+                    self.out.replayed = generated;
+                    tracing::warn!(
+                        request_id = %self.req.request_id, left = %left, joined = %pump.url(),
+                        reason, replayed = generated, migration = self.migrations,
+                        "stream migrated"
+                    );
+                    return Ok(pump);
+                }
+                Err(e) => e,
+            };
+            self.count(reason, outcome::FAILED);
+            tracing::warn!(request_id = %self.req.request_id, worker = %left, reason, "stream could not migrate: {e}");
+            if !is_migratable(&e) || self.migrations >= self.dispatcher.cfg.migration.limit {
+                return Err(e);
             }
+            let backoff = Duration::from_millis(100 << self.migrations.min(5));
+            tokio::time::sleep_until(self.deadline.min(tokio::time::Instant::now() + backoff))
+                .await;
         }
     }
 
     /// The sequence from where it stands: prompt plus what was generated,
-    /// the rest of `max_tokens`, never on the worker it just left.
-    fn continuation(&self, left: &str) -> SequenceRequest {
+    /// the rest of `max_tokens`, under the request id with this migration's
+    /// suffix. [`Relay::place`] keeps it off the worker it left when that
+    /// worker failed it (a failed prefill is not the decode worker's fault:
+    /// it may take the stream again, and may be the only one).
+    fn continuation(&self) -> SequenceRequest {
         let generated = &self.out.generated;
         let mut req = self.req.clone();
         let suffix = format!(".m{}", self.migrations);
@@ -196,7 +219,6 @@ impl Relay {
         req.sampling.max_tokens -= generated.len() as u32;
         req.sampling.replayed_tokens += generated.len() as u32;
         req.prefer_decode = None;
-        req.avoid_decode = Some(left.to_string());
         req
     }
 

@@ -290,6 +290,12 @@ impl Registry {
         down || self.expired().contains_key(url)
     }
 
+    /// Whether the worker at `url` reported (heartbeat or poll) within `within`.
+    pub fn heard_within(&self, url: &str, within: Duration) -> bool {
+        let map = self.lock();
+        map.get(url).is_some_and(|e| e.last_seen.elapsed() < within)
+    }
+
     fn expired(&self) -> MutexGuard<'_, HashMap<String, Instant>> {
         self.expired.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -206,3 +206,32 @@ fn reported_numbers_are_clamped_and_sums_saturate() {
     );
     assert_eq!(sum.tokens_per_second, 0.0);
 }
+
+#[test]
+fn a_worker_is_lost_when_down_or_expired_but_not_when_it_deregisters() {
+    let r = Registry::default();
+    let hb = |url: &str| Heartbeat {
+        url: url.into(),
+        load: ready(0),
+    };
+    for url in ["http://d1", "http://d2", "http://d3"] {
+        r.register(&reg(Pool::Decode, url, 1)).unwrap();
+        assert!(r.heartbeat(&hb(url)));
+        assert!(!r.is_lost(url));
+        assert!(r.heard_within(url, Duration::from_secs(5)));
+    }
+    r.mark_down("http://d1");
+    assert!(r.is_lost("http://d1"), "marked down");
+    // A worker that deregisters to drain keeps its streams.
+    r.deregister("http://d2");
+    assert!(!r.is_lost("http://d2"));
+    assert!(!r.heard_within("http://d2", Duration::from_secs(5)));
+    // One that stops heartbeating is removed, and lost...
+    std::thread::sleep(Duration::from_millis(5));
+    r.expire(Duration::from_millis(1));
+    assert!(r.is_lost("http://d3"));
+    assert!(!r.heard_within("http://d3", Duration::from_secs(5)));
+    // ...until it registers again.
+    r.register(&reg(Pool::Decode, "http://d3", 1)).unwrap();
+    assert!(!r.is_lost("http://d3"));
+}

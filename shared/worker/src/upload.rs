@@ -9,13 +9,24 @@ use crate::prefill::frames::FrameReceiver;
 
 /// Streams `frames` to `url` until the sender side closes; the decode
 /// worker's error, when it refuses the stream, is returned as it sent it.
+/// The POST starts with the first frame, once the engine has started the
+/// job: a job waiting in the queue holds no connection that the decode
+/// worker would see as a silent upload (`--kv-idle-timeout-ms`).
 pub async fn upload(
     client: &reqwest::Client,
     url: &str,
     mut frames: FrameReceiver,
 ) -> Result<(), ErrorBody> {
-    let stream =
-        futures_util::stream::poll_fn(move |cx| frames.poll_recv(cx)).map(Ok::<_, std::io::Error>);
+    let Some(first) = frames.recv().await else {
+        return Err(ErrorBody::retryable(
+            ErrorKind::KvUploadFailed,
+            "the job ended before its first KV frame",
+        ));
+    };
+    let rest = futures_util::stream::poll_fn(move |cx| frames.poll_recv(cx));
+    let stream = futures_util::stream::once(std::future::ready(first))
+        .chain(rest)
+        .map(Ok::<_, std::io::Error>);
     let resp = client
         .post(url)
         .header(header::CONTENT_TYPE, "application/octet-stream")
