@@ -3,38 +3,9 @@
 
 mod common;
 
-use clap::Parser;
-use common::mock;
-use pdserve_testkit::http::{bind, wait_ready};
+use common::cluster;
 use pdserve_testkit::tiny::TinyModel;
 use serde_json::Value;
-use tokio_util::sync::CancellationToken;
-
-/// A router over one mock prefill and one mock decode worker.
-async fn cluster(model: &str) -> String {
-    let decode_url = mock(model, "decode", &[]).await;
-    let prefill_url = mock(model, "prefill", &["--decode-url", &decode_url]).await;
-    let prefill = format!("--prefill-url={prefill_url}");
-    let decode = format!("--decode-url={decode_url}");
-    let args = pdserve_router::Args::try_parse_from([
-        "pdserve-router",
-        "--model",
-        model,
-        "--served-model-name",
-        "tiny",
-        "--mode",
-        "disaggregated",
-        "--health-interval-ms",
-        "50",
-        &prefill,
-        &decode,
-    ])
-    .unwrap();
-    let (listener, url) = bind().await;
-    pdserve_router::spawn(&args, listener, CancellationToken::new()).unwrap();
-    wait_ready(&url).await;
-    url
-}
 
 async fn loadtest(args: &[&str]) -> Value {
     let dir = tempfile::tempdir().unwrap();
@@ -67,7 +38,7 @@ async fn loadtest(args: &[&str]) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_json_report_accounts_for_every_request_sent() {
     let model = TinyModel::new();
-    let url = cluster(model.arg()).await;
+    let (url, _, _) = cluster(model.arg()).await;
     let v = loadtest(&[
         "--url",
         &url,

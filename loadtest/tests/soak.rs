@@ -5,36 +5,14 @@
 
 mod common;
 
-use clap::Parser;
-use common::mock;
-use pdserve_testkit::http::{bind, wait_ready};
 use pdserve_testkit::tiny::TinyModel;
 use serde_json::Value;
-use tokio_util::sync::CancellationToken;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_minutes_of_load_leave_no_fds_or_kv_behind() {
     let tiny = TinyModel::new();
     let model = tiny.arg();
-    let decode = mock(model, "decode", &[]).await;
-    let prefill = mock(model, "prefill", &["--decode-url", &decode]).await;
-    let args = pdserve_router::Args::try_parse_from([
-        "pdserve-router",
-        "--model",
-        model,
-        "--served-model-name",
-        "tiny",
-        "--mode",
-        "disaggregated",
-        "--health-interval-ms",
-        "200",
-        &format!("--prefill-url={prefill}"),
-        &format!("--decode-url={decode}"),
-    ])
-    .unwrap();
-    let (listener, router) = bind().await;
-    pdserve_router::spawn(&args, listener, CancellationToken::new()).unwrap();
-    wait_ready(&router).await;
+    let (router, prefill, decode) = common::cluster(model).await;
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("soak.json");
     let scrape = format!("{router}/metrics,{decode}/metrics,{prefill}/metrics");
