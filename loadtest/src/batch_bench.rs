@@ -19,7 +19,7 @@ pub struct BatchArgs {
     #[arg(long, env = "PDSERVE_MODEL")]
     model: PathBuf,
     /// Weight format (native, q8_0, f32).
-    #[arg(long, env = "PDSERVE_WEIGHTS", default_value = "q8_0")]
+    #[arg(long, env = "PDSERVE_WEIGHTS", default_value = "native")]
     weights: WeightFormat,
     /// Threads for the model's pools (0 = one per core).
     #[arg(long, env = "PDSERVE_THREADS", default_value_t = 2)]

@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use pdserve_engine::profile::StageClock;
+use pdserve_engine::quant::{set_kernel, KernelChoice};
 use pdserve_engine::{KvPool, LoadOptions, Model, SeqKv, WeightFormat};
 use serde::Serialize;
 
@@ -21,7 +22,7 @@ pub struct EngineArgs {
         long,
         env = "PDSERVE_BENCH_WEIGHTS",
         value_delimiter = ',',
-        default_value = "f32,q8_0"
+        default_value = "native,q8_0"
     )]
     weights: Vec<WeightFormat>,
     /// Threads for the model's pools (0 = one per core).
@@ -48,6 +49,13 @@ pub struct EngineArgs {
     /// Write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Kernel path for `native` weights (auto, avx512vnni, avx2, scalar).
+    #[arg(long, env = "PDSERVE_KERNEL", default_value = "auto")]
+    kernel: KernelChoice,
+    /// The machine's peak arithmetic rate, GFLOP/s, for MFU (default: the
+    /// f32 GEMM rate measured on the 2-core reference machine).
+    #[arg(long, default_value_t = 410.0)]
+    peak_gflops: f64,
 }
 
 #[derive(Serialize, Debug)]
@@ -56,6 +64,15 @@ struct EngineResult {
     threads: usize,
     prefill_tok_s: BTreeMap<String, f64>,
     decode_tok_s: BTreeMap<String, f64>,
+    /// The kernel path of `native` weights.
+    kernel: String,
+    /// Bytes of weights one decode step reads.
+    weight_bytes: usize,
+    /// The machine's measured read bandwidth (GB/s) and its MBU at decode ×1.
+    bandwidth_gb_s: f64,
+    mbu_decode1: Option<f64>,
+    /// MFU of the longest prefill against `--peak-gflops`.
+    mfu_prefill: Option<f64>,
     /// Seconds per stage, summed over the timed decode runs of the largest batch.
     profile_decode: BTreeMap<String, f64>,
     /// Seconds per stage, summed over the timed prefill runs of the longest prompt.
@@ -68,6 +85,9 @@ pub fn run(args: EngineArgs) -> Result<()> {
         "--reps and --decode-steps must be > 0"
     );
     let threads = pdserve_engine::threads::configure(args.threads);
+    let kernel = set_kernel(args.kernel).map_err(anyhow::Error::msg)?;
+    let bandwidth = pdserve_engine::profile::read_bandwidth_gb_s();
+    eprintln!("kernel path {kernel}; measured read bandwidth {bandwidth:.1} GB/s");
     let mut results = Vec::new();
     for &weights in &args.weights {
         let started = Instant::now();
@@ -84,7 +104,18 @@ pub fn run(args: EngineArgs) -> Result<()> {
             args.model.display(),
             started.elapsed().as_secs_f64()
         );
-        results.push(bench_model(&model, &args, threads)?);
+        let mut r = bench_model(&model, &args, threads)?;
+        r.kernel = kernel.to_string();
+        r.bandwidth_gb_s = bandwidth;
+        r.mbu_decode1 = r
+            .decode_tok_s
+            .get("1")
+            .map(|t| t * r.weight_bytes as f64 / (bandwidth * 1e9));
+        let longest = args.prefill_lens.iter().max().map(usize::to_string);
+        r.mfu_prefill = longest
+            .and_then(|l| r.prefill_tok_s.get(&l).copied())
+            .map(|t| 2.0 * t * model.layer_macs_per_token() as f64 / (args.peak_gflops * 1e9));
+        results.push(r);
     }
     print_table(&results, &args);
     if let Some(path) = &args.json {
@@ -105,6 +136,11 @@ fn bench_model(model: &Model, args: &EngineArgs, threads: usize) -> Result<Engin
     let mut out = EngineResult {
         weights: model.weight_format().to_string(),
         threads,
+        kernel: String::new(),
+        weight_bytes: model.weight_bytes(),
+        bandwidth_gb_s: 0.0,
+        mbu_decode1: None,
+        mfu_prefill: None,
         prefill_tok_s: BTreeMap::new(),
         decode_tok_s: BTreeMap::new(),
         profile_decode: BTreeMap::new(),
@@ -226,6 +262,22 @@ fn print_table(results: &[EngineResult], args: &EngineArgs) {
         for (b, v) in sorted(&r.decode_tok_s) {
             let what = format!("decode x{b} @ctx {}", args.decode_context);
             println!("{:<8} {:>8} {:<26} {:>12.1}", r.weights, r.threads, what, v);
+        }
+    }
+    for r in results {
+        if let Some(mbu) = r.mbu_decode1 {
+            println!(
+                "{:<8} decode x1 MBU {mbu:.2} ({:.1} MB a step at {:.1} GB/s)",
+                r.weights,
+                r.weight_bytes as f64 / 1e6,
+                r.bandwidth_gb_s
+            );
+        }
+        if let Some(mfu) = r.mfu_prefill {
+            println!(
+                "{:<8} prefill MFU {mfu:.2} (against {:.0} GFLOP/s)",
+                r.weights, args.peak_gflops
+            );
         }
     }
     if args.profile {

@@ -27,7 +27,7 @@ async fn cluster(prefill_args: &[&str]) -> Cluster {
 async fn cluster_with(decode_args: &[&str], prefill_args: &[&str]) -> Cluster {
     let tiny = TinyModel::new();
     let opts = LoadOptions {
-        weights: WeightFormat::Q8_0,
+        weights: WeightFormat::Native,
         ..Default::default()
     };
     let model = || Arc::new(Model::load(&tiny.path, &opts).unwrap());

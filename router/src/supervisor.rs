@@ -40,7 +40,7 @@ pub struct LocalArgs {
     #[arg(long, env = "PDSERVE_WORKER_THREADS", default_value_t = 0)]
     pub worker_threads: usize,
     /// Weight format of local workers (both pools must match).
-    #[arg(long, env = "PDSERVE_WORKER_WEIGHTS", default_value = "q8_0")]
+    #[arg(long, env = "PDSERVE_WORKER_WEIGHTS", default_value = "native")]
     pub worker_weights: String,
     /// What the local workers run.
     #[arg(long, env = "PDSERVE_LOCAL_ENGINE", value_enum, default_value_t = LocalEngine::Real)]

@@ -27,7 +27,7 @@ pub struct Worker {
 pub fn tiny_model() -> (TinyModel, Arc<Model>) {
     let tiny = TinyModel::new();
     let opts = LoadOptions {
-        weights: WeightFormat::Q8_0,
+        weights: WeightFormat::Native,
         ..Default::default()
     };
     let model = Arc::new(Model::load(&tiny.path, &opts).unwrap());

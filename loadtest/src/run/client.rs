@@ -139,7 +139,7 @@ async fn send_body(client: &reqwest::Client, target: &Target, body: &Value) -> (
     if let Some(key) = &target.api_key {
         req = req.bearer_auth(key);
     }
-    let result = match req.send().await {
+    let result = match send_fresh(req).await {
         Err(e) => Err(class_of_error(&e)),
         Ok(r) if !r.status().is_success() => Err(class_of_status(r.status())),
         Ok(r) if target.stream => read_stream(r, started, &mut rec, &mut text).await,
@@ -148,6 +148,26 @@ async fn send_body(client: &reqwest::Client, target: &Target, body: &Value) -> (
     rec.e2e = started.elapsed().as_secs_f64();
     rec.error = result.err();
     (rec, text)
+}
+
+/// A request that failed this soon, with no response, most likely went out
+/// on a pooled connection the server had just closed; nothing reached it.
+const STALE_FAILURE: Duration = Duration::from_millis(50);
+
+/// Sends `req`; a failure to connect, or a failure within
+/// [`STALE_FAILURE`] with no response, is retried once on a new connection,
+/// so a server's keep-alive policy is not counted as its error.
+async fn send_fresh(req: reqwest::RequestBuilder) -> reqwest::Result<reqwest::Response> {
+    let retry = req.try_clone();
+    let sent = Instant::now();
+    match (req.send().await, retry) {
+        (Err(e), Some(again))
+            if !e.is_timeout() && (e.is_connect() || sent.elapsed() < STALE_FAILURE) =>
+        {
+            again.send().await
+        }
+        (result, _) => result,
+    }
 }
 
 fn take_usage(v: &Value, rec: &mut Record) {

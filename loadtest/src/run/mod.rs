@@ -394,9 +394,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<RunReport> {
     }
 }
 
+/// Idle pooled connections are dropped after this, below the keep-alive of
+/// common servers (`llama-server` and uvicorn close idle ones after 5 s), so
+/// no request goes out on a connection the server has closed while another
+/// target's slice ran.
+const POOL_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
+
 fn http_client() -> reqwest::Result<reqwest::Client> {
     reqwest::Client::builder()
         .pool_max_idle_per_host(1024)
+        .pool_idle_timeout(POOL_IDLE)
         .tcp_nodelay(true)
         .build()
 }

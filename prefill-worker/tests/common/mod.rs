@@ -34,7 +34,7 @@ pub struct Tiny {
 pub fn tiny(spec: &TinyModelSpec) -> Tiny {
     let file = TinyModel::with(spec);
     let opts = LoadOptions {
-        weights: WeightFormat::Q8_0,
+        weights: WeightFormat::Native,
         ..Default::default()
     };
     let model = Arc::new(Model::load(&file.path, &opts).unwrap());

@@ -5,8 +5,9 @@ use std::time::Instant;
 
 use clap::Args;
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::model::{LoadOptions, Model};
+use crate::quant::{set_kernel, KernelChoice};
 use crate::weights::WeightFormat;
 
 /// Which model to load, and how.
@@ -15,9 +16,13 @@ pub struct ModelArgs {
     /// GGUF model file.
     #[arg(long = "model", env = "PDSERVE_MODEL")]
     pub path: PathBuf,
-    /// Weight format: q8_0, f32 or native. Prefill and decode workers must match.
-    #[arg(long, env = "PDSERVE_WEIGHTS", default_value = "q8_0")]
+    /// Weight format: native, q8_0 or f32. Prefill and decode workers must match.
+    #[arg(long, env = "PDSERVE_WEIGHTS", default_value = "native")]
     pub weights: WeightFormat,
+    /// Kernel path for `native` weights: auto (the best this CPU has),
+    /// avx512vnni, avx2 or scalar. Every path gives the same bits.
+    #[arg(long, env = "PDSERVE_KERNEL", default_value = "auto")]
+    pub kernel: KernelChoice,
     /// Device: cpu, or cuda[:N] in a CUDA build.
     #[arg(long, env = "PDSERVE_DEVICE", default_value = "cpu")]
     pub device: String,
@@ -30,6 +35,7 @@ impl ModelArgs {
     /// Sizes the thread pools, then loads the model (blocking: call it off the async runtime).
     pub fn load(&self) -> Result<Model> {
         let threads = crate::threads::configure(self.threads);
+        let kernel = set_kernel(self.kernel).map_err(EngineError::unsupported)?;
         let device = crate::device::parse_device(&self.device)?;
         let started = Instant::now();
         let opts = LoadOptions {
@@ -40,6 +46,7 @@ impl ModelArgs {
         tracing::info!(
             path = %self.path.display(),
             weights = %self.weights,
+            %kernel,
             threads,
             secs = started.elapsed().as_secs_f64(),
             fingerprint = model.fingerprint(),

@@ -14,6 +14,7 @@ pub mod fingerprint;
 pub mod kv;
 pub mod model;
 pub mod profile;
+pub mod quant;
 pub mod sampler;
 pub mod simd;
 pub mod threads;

@@ -31,7 +31,7 @@ pub struct LoadOptions {
 impl Default for LoadOptions {
     fn default() -> Self {
         Self {
-            weights: WeightFormat::Q8_0,
+            weights: WeightFormat::Native,
             device: Device::Cpu,
         }
     }
@@ -199,6 +199,20 @@ impl Model {
             .map(|l| l.qkv.bytes() + l.wo.bytes() + l.gate_up.bytes() + l.down.bytes())
             .sum();
         layers + self.lm_head.bytes()
+    }
+
+    /// Multiply-adds of the matmuls per token through the layers (the LM
+    /// head, run once per sequence, excluded): the work a prefilled token costs.
+    pub fn layer_macs_per_token(&self) -> usize {
+        let h = self.cfg.hidden_size;
+        self.layers
+            .iter()
+            .map(|l| {
+                h * (l.qkv.out_dim() + l.gate_up.out_dim())
+                    + l.wo.out_dim() * h
+                    + l.down.out_dim() * self.cfg.ffn_size
+            })
+            .sum()
     }
 
     /// Time spent per stage of the forward pass since the last reset.

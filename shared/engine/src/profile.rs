@@ -85,3 +85,27 @@ impl StageClock {
             .for_each(|n| n.store(0, Ordering::Relaxed));
     }
 }
+
+/// The machine's read bandwidth: the best of 3 passes summing a 256 MB
+/// buffer on every model thread (candle's pool).
+pub fn read_bandwidth_gb_s() -> f64 {
+    let words = vec![1u64; 32 << 20];
+    let chunks = 64;
+    let per = words.len() / chunks;
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let total = std::sync::atomic::AtomicU64::new(0);
+        let t = Instant::now();
+        candle_core::utils::barrier_pool().execute_chunked(chunks, |range| {
+            for c in range {
+                let s = words[c * per..(c + 1) * per]
+                    .iter()
+                    .fold(0u64, |a, w| a.wrapping_add(*w));
+                total.fetch_add(s, std::sync::atomic::Ordering::Relaxed);
+            }
+        });
+        std::hint::black_box(total.into_inner());
+        best = best.max((words.len() * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}

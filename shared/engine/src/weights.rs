@@ -1,9 +1,10 @@
 //! Weight formats and linear layers.
 //!
-//! Q4_1 has no SIMD kernel in candle, so the engine converts weights at load:
-//! `q8_0` requantizes them (a fast GEMV for decode), `f32` dequantizes them (a
-//! real GEMM for prefill), `native` keeps what the file holds. Projections that
-//! read the same input (Q|K|V, gate|up) are fused into one matrix.
+//! `native` keeps the file's blocks and multiplies Q4_0, Q4_1 and Q8_0 on the
+//! engine's own kernels ([`crate::quant`]); other block formats fall back to
+//! candle. `q8_0` requantizes to Q8_0 for candle's tiled int8 kernels, `f32`
+//! dequantizes for candle's GEMM. Projections that read the same input
+//! (Q|K|V, gate|up) are fused into one matrix.
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -12,15 +13,17 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 use crate::error::{EngineError, Result};
+use crate::quant::{BlockKind, QMatrix};
 
 /// How weights are held in memory, chosen at load time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
-    /// As stored in the file (Q4_1 for the default model: slow scalar kernels).
+    /// As stored in the file, on the engine's block kernels: the default, and
+    /// the fastest decode (it reads the fewest bytes).
     Native,
-    /// Requantized to Q8_0: the fastest single-sequence decode.
+    /// Requantized to Q8_0, on candle's tiled int8 kernels.
     Q8_0,
-    /// Dequantized to f32: a real GEMM, the fastest prefill.
+    /// Dequantized to f32, on candle's GEMM.
     F32,
 }
 
@@ -64,12 +67,22 @@ const TILED_N: usize = 16;
 /// A linear layer `y = x · Wᵀ`, possibly several fused along the output dimension.
 #[derive(Debug)]
 pub(crate) struct Linear {
-    /// One part when fused; several when parts could not be fused (mixed native types).
-    parts: Vec<(QMatMul, usize)>,
+    weights: Weights,
     in_dim: usize,
-    /// Input width the weights were padded to with zero columns (≥ `in_dim`).
-    padded_in: usize,
     out_dim: usize,
+}
+
+#[derive(Debug)]
+enum Weights {
+    /// GGUF blocks (Q4_0, Q4_1, Q8_0) on the engine's own kernels.
+    Blocks(QMatrix),
+    /// candle's matmul: f32, Q8_0 on candle's tiled int8 kernels, and block
+    /// formats the engine has no kernel for. Several parts when they could
+    /// not be fused (mixed types); inputs zero-padded to `padded_in` columns.
+    Candle {
+        parts: Vec<(QMatMul, usize)>,
+        padded_in: usize,
+    },
 }
 
 impl Linear {
@@ -97,15 +110,18 @@ impl Linear {
             true => padded,
             false => in_dim,
         };
-        let parts = match format {
-            WeightFormat::F32 => vec![(dequantized(&parts, device)?, out_dim)],
-            WeightFormat::Q8_0 => vec![(q8_0(parts, padded_in, device)?, out_dim)],
-            WeightFormat::Native => native(parts, device)?,
+        let candle = |parts| Weights::Candle { parts, padded_in };
+        let weights = match format {
+            WeightFormat::F32 => candle(vec![(dequantized(&parts, device)?, out_dim)]),
+            WeightFormat::Q8_0 => candle(vec![(q8_0(parts, padded_in, device)?, out_dim)]),
+            WeightFormat::Native => match blocks(&parts, device)? {
+                Some(m) => Weights::Blocks(m),
+                None => candle(native(parts, device)?),
+            },
         };
         Ok(Self {
-            parts,
+            weights,
             in_dim,
-            padded_in,
             out_dim,
         })
     }
@@ -114,9 +130,11 @@ impl Linear {
     pub fn from_f32(w: Tensor) -> Result<Self> {
         let (out_dim, in_dim) = w.dims2()?;
         Ok(Self {
-            parts: vec![(QMatMul::Tensor(w), out_dim)],
+            weights: Weights::Candle {
+                parts: vec![(QMatMul::Tensor(w), out_dim)],
+                padded_in: in_dim,
+            },
             in_dim,
-            padded_in: in_dim,
             out_dim,
         })
     }
@@ -127,7 +145,11 @@ impl Linear {
 
     /// Bytes of weights one forward pass reads.
     pub fn bytes(&self) -> usize {
-        self.parts
+        let parts = match &self.weights {
+            Weights::Blocks(m) => return m.bytes(),
+            Weights::Candle { parts, .. } => parts,
+        };
+        parts
             .iter()
             .map(|(w, _)| match w {
                 QMatMul::QTensor(t) => t.storage_size_in_bytes(),
@@ -140,26 +162,30 @@ impl Linear {
 
     /// `x` is `[rows, in]`, row-major; returns `[rows, out]`.
     pub fn forward(&self, x: &[f32], device: &Device) -> Result<Vec<f32>> {
+        let (parts, padded_in) = match &self.weights {
+            Weights::Blocks(m) => return Ok(m.matmul(x)),
+            Weights::Candle { parts, padded_in } => (parts, *padded_in),
+        };
         let rows = x.len() / self.in_dim;
-        let xt = match self.padded_in == self.in_dim {
+        let xt = match padded_in == self.in_dim {
             true => Tensor::from_slice(x, (rows, self.in_dim), device)?,
             false => {
-                let mut padded = vec![0f32; rows * self.padded_in];
+                let mut padded = vec![0f32; rows * padded_in];
                 for (dst, src) in padded
-                    .chunks_exact_mut(self.padded_in)
+                    .chunks_exact_mut(padded_in)
                     .zip(x.chunks_exact(self.in_dim))
                 {
                     dst[..self.in_dim].copy_from_slice(src);
                 }
-                Tensor::from_vec(padded, (rows, self.padded_in), device)?
+                Tensor::from_vec(padded, (rows, padded_in), device)?
             }
         };
-        if let [(w, _)] = self.parts.as_slice() {
+        if let [(w, _)] = parts.as_slice() {
             return Ok(w.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?);
         }
         let mut out = vec![0f32; rows * self.out_dim];
         let mut col = 0;
-        for (w, width) in &self.parts {
+        for (w, width) in parts {
             let part = w.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
             for (dst, src) in out
                 .chunks_exact_mut(self.out_dim)
@@ -171,6 +197,28 @@ impl Linear {
         }
         Ok(out)
     }
+}
+
+/// The parts as one [`QMatrix`] on the CPU; `None` when the engine's
+/// kernels cannot take them (another device, a format without a kernel,
+/// mixed formats, a width that is not whole pairs of blocks).
+fn blocks(parts: &[QTensor], device: &Device) -> Result<Option<QMatrix>> {
+    let in_dim = dims2(&parts[0])?.1;
+    if !device.is_cpu() || !QMatrix::supports(in_dim) {
+        return Ok(None);
+    }
+    let mut mats = Vec::with_capacity(parts.len());
+    for p in parts {
+        let Some(kind) = BlockKind::from_ggml(p.dtype()) else {
+            return Ok(None);
+        };
+        let (rows, cols) = dims2(p)?;
+        match QMatrix::from_blocks(kind, rows, cols, &p.data()?) {
+            Some(m) => mats.push(m),
+            None => return Ok(None),
+        }
+    }
+    Ok(QMatrix::concat(mats))
 }
 
 fn dims2(t: &QTensor) -> Result<(usize, usize)> {

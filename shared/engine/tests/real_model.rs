@@ -78,7 +78,7 @@ fn answer(model: &Model, tok: &Tokenizer, question: &str, n: usize) -> String {
 fn greedy_answer_names_paris_in_every_weight_format() {
     let Some(path) = real_model() else { return };
     let tok = Tokenizer::from_gguf_file(&path).unwrap();
-    for format in [WeightFormat::F32, WeightFormat::Q8_0] {
+    for format in [WeightFormat::Native, WeightFormat::F32, WeightFormat::Q8_0] {
         let model = load(&path, format);
         let text = answer(&model, &tok, "What is the capital of France?", 24);
         assert!(text.contains("Paris"), "{format}: {text}");
@@ -86,10 +86,45 @@ fn greedy_answer_names_paris_in_every_weight_format() {
 }
 
 #[test]
-fn batched_decode_of_eight_prompts_equals_decoding_each_alone() {
+fn every_kernel_path_gives_the_same_logits_bit_for_bit() {
+    use pdserve_engine::quant::{set_kernel, Kernel, KernelChoice};
     let Some(path) = real_model() else { return };
     let tok = Tokenizer::from_gguf_file(&path).unwrap();
-    let model = load(&path, WeightFormat::Q8_0);
+    let model = load(&path, WeightFormat::Native);
+    let ids = tok.encode(&chatml("Name a prime number."), true).unwrap();
+    let pool = pool(&model);
+    let mut runs = Vec::new();
+    for kernel in Kernel::ALL.into_iter().filter(|k| k.available()) {
+        set_kernel(KernelChoice::Forced(kernel)).unwrap();
+        let mut kv = pool.allocate(ids.len() + 1).unwrap();
+        let logits = model.prefill(&ids, &mut kv).unwrap();
+        let next = model
+            .decode_step(&mut [(&mut kv, argmax(&logits))])
+            .unwrap();
+        let bits: Vec<u32> = logits
+            .iter()
+            .chain(next.row(0))
+            .map(|v| v.to_bits())
+            .collect();
+        runs.push((kernel, bits));
+    }
+    set_kernel(KernelChoice::Auto).unwrap();
+    for (kernel, bits) in &runs[1..] {
+        assert!(bits == &runs[0].1, "{kernel} differs from {}", runs[0].0);
+    }
+}
+
+#[test]
+fn batched_decode_of_eight_prompts_equals_decoding_each_alone() {
+    let Some(path) = real_model() else { return };
+    for format in [WeightFormat::Native, WeightFormat::Q8_0] {
+        batched_equals_alone(&path, format);
+    }
+}
+
+fn batched_equals_alone(path: &std::path::Path, format: WeightFormat) {
+    let tok = Tokenizer::from_gguf_file(path).unwrap();
+    let model = load(path, format);
     let questions = [
         "What is the capital of France?",
         "Name a prime number.",
@@ -134,7 +169,7 @@ fn batched_decode_of_eight_prompts_equals_decoding_each_alone() {
             o.push(argmax(logits.row(i)));
         }
     }
-    assert_eq!(outs, alone);
+    assert_eq!(outs, alone, "{format}");
 }
 
 #[test]
@@ -165,8 +200,14 @@ fn kv_export_import_then_decode_equals_never_exporting() {
 #[test]
 fn chunked_prefill_matches_one_shot_on_the_real_model() {
     let Some(path) = real_model() else { return };
-    let tok = Tokenizer::from_gguf_file(&path).unwrap();
-    let model = load(&path, WeightFormat::F32);
+    for format in [WeightFormat::Native, WeightFormat::F32] {
+        chunked_matches_one_shot(&path, format);
+    }
+}
+
+fn chunked_matches_one_shot(path: &std::path::Path, format: WeightFormat) {
+    let tok = Tokenizer::from_gguf_file(path).unwrap();
+    let model = load(path, format);
     let ids = tok
         .encode(
             &chatml(&"The quick brown fox jumps over the lazy dog. ".repeat(6)),
