@@ -17,11 +17,12 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Instant;
 
-use pdserve_engine::sampler::{sample, Sampled, SamplingParams, TokenCounts};
+use pdserve_engine::sampler::{Grammars, Sampled, SamplingError, SeqSampler};
 use pdserve_engine::{KvError, KvPool, Model, SeqKv};
 use pdserve_protocol::internal::{ErrorBody, ErrorClass, ErrorKind};
 use pdserve_worker::decode::{retire, DecodeArgs, DecodeJob, DecodeMetrics, Outcome, SeqStream};
 use pdserve_worker::queue::EngineStats;
+use rayon::prelude::*;
 use tokio::sync::mpsc;
 
 use crate::backend::RealKv;
@@ -34,6 +35,8 @@ pub struct EngineConfig {
     pub limits: DecodeArgs,
     /// Peak memory bandwidth, for the MBU estimate.
     pub peak_bytes_per_second: f64,
+    /// Compiles requests' grammars (None: constrained requests are refused).
+    pub grammars: Option<Grammars>,
 }
 
 pub(crate) struct Scheduler {
@@ -112,10 +115,15 @@ impl Scheduler {
         self.stats
             .taken((job.prompt.len() - job.kv.cached) as u64, true);
         let prompt_len = job.prompt.len() as u32;
+        let sampler = SeqSampler::new(&job.sampling, &job.prompt, self.cfg.grammars.as_ref());
+        let stream = SeqStream::new(job.request_id, prompt_len, job.sampling, job.events);
+        let sampler = match sampler {
+            Ok(s) => s,
+            Err(e) => return stream.fail(sampling_error(e), &self.metrics),
+        };
         let mut seq = Seq {
-            params: SamplingParams::from(&job.sampling),
-            history: TokenCounts::replayed(&job.prompt, job.sampling.replayed_tokens),
-            stream: SeqStream::new(job.request_id, prompt_len, job.sampling, job.events),
+            sampler,
+            stream,
             tokens: job.prompt,
             kv: job.kv.kv,
             admitted: 0,
@@ -184,7 +192,7 @@ impl Scheduler {
             return;
         }
         let mut seq = self.waiting.remove(i).expect("index from position");
-        match self.sample(&seq, &logits) {
+        match Self::sample(&mut seq, &logits) {
             Ok(sampled) => {
                 if let Outcome::Continue = self.emit(&mut seq, sampled) {
                     self.waiting.insert(i, seq);
@@ -267,9 +275,16 @@ impl Scheduler {
                 return;
             }
         };
+        // Masks and draws are independent per sequence: all threads share them.
+        let mut active = std::mem::take(&mut self.active);
+        let drawn: Vec<_> = active
+            .par_iter_mut()
+            .enumerate()
+            .map(|(i, seq)| Self::sample(seq, logits.row(i)))
+            .collect();
         let mut keep = Vec::with_capacity(n);
-        for (i, mut seq) in std::mem::take(&mut self.active).into_iter().enumerate() {
-            match self.sample(&seq, logits.row(i)) {
+        for (mut seq, drawn) in active.into_iter().zip(drawn) {
+            match drawn {
                 Ok(sampled) => {
                     if let Outcome::Continue = self.emit(&mut seq, sampled) {
                         keep.push(seq);
@@ -293,16 +308,18 @@ impl Scheduler {
         self.stats.record_rate(n, secs);
     }
 
-    fn sample(&self, seq: &Seq, logits: &[f32]) -> Result<Sampled, ErrorBody> {
+    fn sample(seq: &mut Seq, logits: &[f32]) -> Result<Sampled, ErrorBody> {
         let position = seq.kv.len() as u64;
-        sample(logits, &seq.params, position, &seq.history)
-            .map_err(|e| ErrorBody::fatal(ErrorKind::Sampling, e.to_string()))
+        seq.sampler.sample(logits, position).map_err(sampling_error)
     }
 
     /// Streams a sampled token and decides whether the sequence goes on.
     fn emit(&self, seq: &mut Seq, s: Sampled) -> Outcome {
         let token = s.token;
-        seq.history.add(token);
+        if let Err(e) = seq.sampler.accept(token) {
+            seq.stream.fail(sampling_error(e), &self.metrics);
+            return Outcome::Done;
+        }
         let outcome = seq.stream.emit(s, Some(self.eos), &self.metrics);
         if outcome == Outcome::Continue {
             seq.tokens.push(token);
@@ -319,4 +336,10 @@ impl Scheduler {
             waiting_tokens as u64,
         );
     }
+}
+
+/// A sampling failure as the stream reports it: the request's fault
+/// (a grammar that refuses, or bad parameters).
+fn sampling_error(e: SamplingError) -> ErrorBody {
+    ErrorBody::fatal(ErrorKind::Sampling, e.to_string())
 }

@@ -11,6 +11,7 @@ mod seq;
 
 use std::sync::Arc;
 
+use pdserve_engine::sampler::grammars_for;
 use pdserve_engine::Model;
 use pdserve_worker::decode::{DecodeMetrics, DecodeNet, DecodeServer};
 use pdserve_worker::kv::budget_tokens;
@@ -42,6 +43,7 @@ pub fn build(
     let cfg = EngineConfig {
         limits: limits.clone(),
         peak_bytes_per_second: args.peak_memory_bandwidth_gbps * 1e9,
+        grammars: grammars_for(&args.model.path, model.config().vocab_size),
     };
     let backend = RealDecode::spawn(model, pool, eos, cfg, metrics.clone());
     let net = DecodeNet::new(args.server.auth.token(), &args.decode);

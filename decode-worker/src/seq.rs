@@ -1,6 +1,6 @@
 //! One sequence on the decode worker: its tokens, its KV and where it is.
 
-use pdserve_engine::sampler::{SamplingParams, TokenCounts};
+use pdserve_engine::sampler::SeqSampler;
 use pdserve_engine::SeqKv;
 use pdserve_worker::decode::SeqStream;
 
@@ -11,9 +11,9 @@ pub(crate) struct Seq {
     /// The prompt and every token sampled since; the last sampled one is
     /// not in the KV yet (it is fed to the next decode step).
     pub tokens: Vec<u32>,
-    pub params: SamplingParams,
+    /// Sampling parameters, penalty counts and grammar state.
+    pub sampler: SeqSampler,
     pub kv: SeqKv,
-    pub history: TokenCounts,
     /// Order of admission into the batch (the latest is preempted first).
     pub admitted: u64,
 }

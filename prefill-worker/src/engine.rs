@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use pdserve_engine::sampler::Grammars;
 use pdserve_engine::{KvDtype, KvPool, Model, ModelConfig};
 use pdserve_protocol::internal::{ErrorBody, ErrorKind, KvReport};
 use pdserve_protocol::prefix::PrefixDigest;
@@ -29,6 +30,9 @@ pub struct EngineConfig {
     pub kv_dtype: KvDtype,
     /// Peak FLOP/s, for the MFU estimate.
     pub peak_flops: f64,
+    /// Compiles requests' grammars for the first token (None: constrained
+    /// requests are refused).
+    pub grammars: Option<Grammars>,
 }
 
 /// The model and its thread: the real prefill engine.

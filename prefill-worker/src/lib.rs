@@ -10,6 +10,7 @@ mod prefill;
 
 use std::sync::Arc;
 
+use pdserve_engine::sampler::grammars_for;
 use pdserve_engine::Model;
 use pdserve_worker::kv::budget_tokens;
 use pdserve_worker::prefill::{PrefillMetrics, PrefillNet, PrefillServer};
@@ -42,6 +43,7 @@ pub fn build(model: Arc<Model>, args: &Args) -> Result<Arc<PrefillServer<EngineH
         queue_capacity: args.max_queue,
         kv_dtype: args.kv_dtype.into(),
         peak_flops: args.peak_gflops * 1e9,
+        grammars: grammars_for(&args.model.path, model.config().vocab_size),
     };
     Ok(PrefillServer::new(
         EngineHandle::spawn(model, pool, cfg, metrics.clone()),

@@ -14,7 +14,7 @@
 use std::ops::{ControlFlow, Range};
 
 use bytes::Bytes;
-use pdserve_engine::sampler::{sample, SamplingParams, TokenCounts};
+use pdserve_engine::sampler::SeqSampler;
 use pdserve_engine::{EngineError, Segment, SeqKv};
 use pdserve_protocol::internal::{ErrorBody, ErrorKind, PrefillJob};
 use pdserve_protocol::kvwire::{self, KvHeader, KvTrailer};
@@ -219,11 +219,11 @@ impl Worker {
                 "the forward pass produced no logits",
             ));
         };
-        let params = SamplingParams::from(&task.job.sampling);
         let n = task.job.prompt_tokens.len();
         let prompt = &task.job.prompt_tokens;
-        let history = TokenCounts::replayed(prompt, task.job.sampling.replayed_tokens);
-        let first = sample(&logits, &params, n as u64, &history)
+        let grammars = self.cfg.grammars.as_ref();
+        let first = SeqSampler::new(&task.job.sampling, prompt, grammars)
+            .and_then(|mut s| s.sample(&logits, n as u64))
             .map_err(|e| ErrorBody::fatal(ErrorKind::Sampling, e.to_string()))?;
         let trailer = KvTrailer {
             first_token: first.token,

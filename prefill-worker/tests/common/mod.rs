@@ -54,6 +54,7 @@ pub fn engine_config(chunk_tokens: usize, batch_tokens: usize) -> EngineConfig {
         queue_capacity: 16,
         kv_dtype: KvDtype::F32,
         peak_flops: 1e9,
+        grammars: None,
     }
 }
 

@@ -13,6 +13,10 @@ mod ops;
 
 use std::borrow::Cow;
 
+use pdserve_protocol::internal::SamplingSpec;
+use pdserve_text::grammar::Constraint;
+pub use pdserve_text::grammar::Grammars;
+
 pub use ops::uniform;
 use ops::{clean, draw_full, draw_truncated, needs_truncation, top_logprobs, LogitStats};
 pub use pdserve_text::sampling::{
@@ -61,27 +65,136 @@ pub fn sample(
     })
 }
 
-/// Applies OpenAI-style presence and frequency penalties; borrows the input
-/// unchanged when they cannot have any effect.
+/// Applies `logit_bias`, the repetition penalty, then OpenAI-style presence
+/// and frequency penalties; borrows the input unchanged when none of them
+/// can have any effect.
 fn apply_penalties<'a>(
     logits: &'a [f32],
     params: &SamplingParams,
     history: &TokenCounts,
 ) -> Cow<'a, [f32]> {
     let (presence, frequency) = (params.presence_penalty, params.frequency_penalty);
-    if history.is_empty() || (presence == 0.0 && frequency == 0.0) {
+    let counted = !history.is_empty() && (presence != 0.0 || frequency != 0.0);
+    let repetition = params.repetition_penalty != 1.0;
+    if !counted && !repetition && params.logit_bias.is_empty() {
         return Cow::Borrowed(logits);
     }
     let mut out = logits.to_vec();
-    for (token, count) in history.iter() {
-        if count == 0 {
-            continue;
-        }
+    for &(token, bias) in &params.logit_bias {
         if let Some(logit) = out.get_mut(token as usize) {
-            *logit -= frequency * count as f32 + presence;
+            *logit += bias;
+        }
+    }
+    if repetition {
+        let r = params.repetition_penalty;
+        for token in history.seen() {
+            if let Some(logit) = out.get_mut(token as usize) {
+                *logit = if *logit > 0.0 { *logit / r } else { *logit * r };
+            }
+        }
+    }
+    if counted {
+        for (token, count) in history.iter() {
+            if count == 0 {
+                continue;
+            }
+            if let Some(logit) = out.get_mut(token as usize) {
+                *logit -= frequency * count as f32 + presence;
+            }
         }
     }
     Cow::Owned(out)
+}
+
+/// The grammar compiler for the model file at `path` (its tokenizer, with
+/// `vocab_size` logits per step). A model whose vocabulary cannot be read
+/// still serves; only requests with a grammar are refused.
+pub fn grammars_for(path: &std::path::Path, vocab_size: usize) -> Option<Grammars> {
+    let built = pdserve_text::Tokenizer::from_gguf_file(path)
+        .map_err(|e| e.to_string())
+        .and_then(|t| Grammars::new(std::sync::Arc::new(t), vocab_size).map_err(|e| e.to_string()));
+    match built {
+        Ok(g) => Some(g),
+        Err(e) => {
+            tracing::warn!("constrained decoding is off: {e}");
+            None
+        }
+    }
+}
+
+/// One sequence's sampling state: its parameters, the tokens counted for
+/// the penalties, and its grammar's matcher when the output is constrained.
+pub struct SeqSampler {
+    pub params: SamplingParams,
+    pub history: TokenCounts,
+    constraint: Option<Constraint>,
+}
+
+impl SeqSampler {
+    /// The state at the end of `prompt`. Its last `spec.replayed_tokens`
+    /// tokens are the sequence's own earlier output (a migrated stream):
+    /// they count as generated, and the grammar is advanced past them.
+    pub fn new(
+        spec: &SamplingSpec,
+        prompt: &[u32],
+        grammars: Option<&Grammars>,
+    ) -> Result<Self, SamplingError> {
+        let params = SamplingParams::from(spec);
+        params.validate()?;
+        let replayed = (spec.replayed_tokens as usize).min(prompt.len());
+        let (own, generated) = prompt.split_at(prompt.len() - replayed);
+        let mut history: TokenCounts = generated.iter().copied().collect();
+        if params.repetition_penalty != 1.0 {
+            history = history.with_prompt(own);
+        }
+        let constraint = match (&spec.grammar, grammars) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(SamplingError::NoGrammars(
+                    "the model's vocabulary could not be loaded".into(),
+                ))
+            }
+            (Some(g), Some(grammars)) => {
+                let mut c = grammars.compile(g)?;
+                for &t in generated {
+                    c.accept(t)?;
+                }
+                Some(c)
+            }
+        };
+        Ok(Self {
+            params,
+            history,
+            constraint,
+        })
+    }
+
+    /// Samples the token at absolute `position` from `logits`, masked by
+    /// the grammar when there is one.
+    pub fn sample(&mut self, logits: &[f32], position: u64) -> Result<Sampled, SamplingError> {
+        match &mut self.constraint {
+            None => sample(logits, &self.params, position, &self.history),
+            Some(c) => {
+                let mut masked = logits.to_vec();
+                c.mask(&mut masked)?;
+                sample(&masked, &self.params, position, &self.history)
+            }
+        }
+    }
+
+    /// Records `token` as generated and advances the grammar past it.
+    pub fn accept(&mut self, token: u32) -> Result<(), SamplingError> {
+        self.history.add(token);
+        match &mut self.constraint {
+            Some(c) => Ok(c.accept(token)?),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the output is constrained by a grammar.
+    pub fn is_constrained(&self) -> bool {
+        self.constraint.is_some()
+    }
 }
 
 #[cfg(test)]

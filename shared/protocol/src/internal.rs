@@ -47,6 +47,17 @@ pub struct SamplingSpec {
     /// and frequency penalties as generated tokens. Sampling positions are
     /// absolute, so the continuation is the one an unbroken run samples.
     pub replayed_tokens: u32,
+    /// Divides positive logits and multiplies negative ones of every token
+    /// in the prompt or generated so far (1 = off; vLLM's
+    /// `repetition_penalty`).
+    pub repetition_penalty: f32,
+    /// Added to the logits of these tokens before sampling (OpenAI's
+    /// `logit_bias`, already range-checked).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// The output must match this grammar (llguidance's Lark dialect; JSON
+    /// schemas are embedded with `%json`). The worker that samples compiles
+    /// it and masks the logits at every step.
+    pub grammar: Option<String>,
 }
 
 impl Default for SamplingSpec {
@@ -64,6 +75,9 @@ impl Default for SamplingSpec {
             ignore_eos: false,
             stop_token_ids: Vec::new(),
             replayed_tokens: 0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            grammar: None,
         }
     }
 }

@@ -2,12 +2,16 @@
 //! produces. The sampler itself runs in the engine; the router validates
 //! requests with these types without linking it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use pdserve_protocol::internal::SamplingSpec;
 
 /// Maximum number of `top_logprobs` entries returned per token.
 pub const MAX_TOP_LOGPROBS: usize = 20;
+/// Largest `repetition_penalty` accepted.
+pub const MAX_REPETITION_PENALTY: f32 = 10.0;
+/// Largest magnitude of a `logit_bias` entry (OpenAI's range).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
 /// Per-request sampling configuration.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,6 +32,11 @@ pub struct SamplingParams {
     pub seed: u64,
     /// Number of most likely alternatives to report (capped at [`MAX_TOP_LOGPROBS`]).
     pub top_logprobs: usize,
+    /// Divides positive logits (multiplies negative ones) of every token in
+    /// the prompt or the output so far; `1.0` disables it.
+    pub repetition_penalty: f32,
+    /// Added to the logits of these tokens, each in `[-100, 100]`.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -61,6 +70,17 @@ impl SamplingParams {
         if self.top_k == Some(0) {
             return Err(SamplingError::InvalidTopK(0));
         }
+        let r = self.repetition_penalty;
+        if !(r.is_finite() && r > 0.0 && r <= MAX_REPETITION_PENALTY) {
+            return Err(SamplingError::InvalidRepetitionPenalty(r));
+        }
+        if let Some(&(token, bias)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(b))
+        {
+            return Err(SamplingError::InvalidLogitBias { token, bias });
+        }
         Ok(())
     }
 
@@ -92,6 +112,23 @@ pub enum SamplingError {
     /// `top_k` set to a value below 1.
     #[error("top_k must be at least 1 when set, got {0}")]
     InvalidTopK(usize),
+    /// `repetition_penalty` not in `(0, 10]`.
+    #[error("repetition_penalty must be in (0, 10], got {0}")]
+    InvalidRepetitionPenalty(f32),
+    /// A `logit_bias` entry outside `[-100, 100]`.
+    #[error("logit_bias for token {token} must be in [-100, 100], got {bias}")]
+    InvalidLogitBias {
+        /// The token the bias is for.
+        token: u32,
+        /// The rejected bias.
+        bias: f32,
+    },
+    /// The grammar could not be compiled or refused a token.
+    #[error(transparent)]
+    Grammar(#[from] crate::grammar::GrammarError),
+    /// The request has a grammar but this process cannot compile grammars.
+    #[error("this worker cannot run constrained decoding: {0}")]
+    NoGrammars(String),
     /// The logits vector is empty or holds no finite value.
     #[error("logits vector of length {len} has no finite value to sample from")]
     NoFiniteLogits {
@@ -106,10 +143,12 @@ pub enum SamplingError {
     },
 }
 
-/// Counts of tokens generated so far, used for presence/frequency penalties.
+/// Counts of tokens generated so far, used for presence/frequency penalties,
+/// and the prompt's distinct tokens when a repetition penalty needs them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TokenCounts {
     counts: HashMap<u32, u32>,
+    prompt: HashSet<u32>,
 }
 
 impl TokenCounts {
@@ -123,6 +162,20 @@ impl TokenCounts {
     pub fn replayed(prompt: &[u32], replayed: u32) -> Self {
         let from = prompt.len().saturating_sub(replayed as usize);
         prompt[from..].iter().copied().collect()
+    }
+
+    /// Also remembers the distinct tokens of `prompt` (for the repetition
+    /// penalty, which counts the prompt too).
+    pub fn with_prompt(mut self, prompt: &[u32]) -> Self {
+        self.prompt.extend(prompt.iter().copied());
+        self
+    }
+
+    /// Every token seen in the prompt or generated, each once.
+    pub fn seen(&self) -> impl Iterator<Item = u32> + '_ {
+        let generated = self.counts.keys().copied();
+        let prompt_only = self.prompt.iter().copied();
+        generated.chain(prompt_only.filter(|t| !self.counts.contains_key(t)))
     }
 
     /// Records one more occurrence of `token`.
@@ -154,6 +207,7 @@ impl TokenCounts {
     /// Forgets every recorded token.
     pub fn clear(&mut self) {
         self.counts.clear();
+        self.prompt.clear();
     }
 }
 
@@ -191,6 +245,8 @@ impl From<&SamplingSpec> for SamplingParams {
             frequency_penalty: spec.frequency_penalty,
             seed: spec.seed,
             top_logprobs: spec.top_logprobs as usize,
+            repetition_penalty: spec.repetition_penalty,
+            logit_bias: spec.logit_bias.clone(),
         }
     }
 }
