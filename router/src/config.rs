@@ -171,6 +171,8 @@ pub struct Args {
     #[arg(long, env = "PDSERVE_STREAM_IDLE_TIMEOUT_MS", default_value_t = 10_000)]
     pub stream_idle_timeout_ms: u64,
     #[command(flatten)]
+    pub sampling_defaults: crate::defaults::DefaultArgs,
+    #[command(flatten)]
     pub local: crate::supervisor::LocalArgs,
     #[command(flatten)]
     pub autoscaler: crate::autoscaler::AutoscalerArgs,
@@ -209,6 +211,8 @@ pub struct Limits {
     pub max_concurrent_requests: usize,
     pub default_max_tokens: u32,
     pub max_n: u32,
+    /// `--default-*` sampling flags (resolved against the model file by the front end).
+    pub sampling: crate::defaults::DefaultArgs,
 }
 
 impl Args {
@@ -282,6 +286,7 @@ impl Args {
             max_concurrent_requests: self.max_concurrent_requests,
             default_max_tokens: self.default_max_tokens,
             max_n: self.max_n,
+            sampling: self.sampling_defaults.clone(),
         }
     }
 

@@ -8,11 +8,15 @@ use std::sync::Arc;
 use pdserve_protocol::openai::{
     ChatCompletionRequest, CompletionRequest, MessageContent, PromptInput, RequestMessage,
 };
+use pdserve_text::generation::ModelSamplingDefaults;
+use pdserve_text::grammar::Grammars;
 use pdserve_text::{ChatMessage, ModelConfig, Tokenizer};
 
 use crate::config::Limits;
+use crate::defaults::SamplingDefaults;
 use crate::error::ApiError;
-use crate::params::{self, Params};
+use crate::params::{self, Params, Rules};
+use crate::structured::{self, Structured};
 
 /// One prompt to run `n` times.
 #[derive(Debug, Clone)]
@@ -28,6 +32,8 @@ pub struct PromptPlan {
 pub struct Prepared {
     pub prompts: Vec<PromptPlan>,
     pub params: Params,
+    /// Whether tool calls are parsed out of the output (chat with tools).
+    pub parse_calls: bool,
 }
 
 pub struct Frontend {
@@ -36,6 +42,11 @@ pub struct Frontend {
     pub vocab_size: usize,
     pub model_name: String,
     pub limits: Limits,
+    /// What a request that leaves a sampling parameter out gets.
+    pub defaults: SamplingDefaults,
+    /// Compiles grammars to check them (None: the vocabulary could not be
+    /// read into a token trie, and constrained requests are refused).
+    pub grammars: Option<Grammars>,
 }
 
 impl Frontend {
@@ -44,16 +55,39 @@ impl Frontend {
         // One read of the header (it holds the whole vocabulary) for both.
         let header = pdserve_text::gguf::Header::read_file(path)
             .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
-        let tokenizer = Tokenizer::from_gguf(&header)?;
+        let tokenizer = Arc::new(Tokenizer::from_gguf(&header)?);
         let config = ModelConfig::from_gguf(&header)?;
+        let recommended = ModelSamplingDefaults::from_gguf(&header)?;
         drop(header);
+        let defaults = SamplingDefaults::resolve(&limits.sampling, &recommended);
+        tracing::info!(
+            defaults = %serde_json::to_string(&defaults).unwrap_or_default(),
+            "sampling defaults (a request's own values win)"
+        );
+        let grammars = match Grammars::new(tokenizer.clone(), config.vocab_size) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                tracing::warn!("constrained decoding is off: {e}");
+                None
+            }
+        };
         Ok(Self {
-            tokenizer: Arc::new(tokenizer),
+            tokenizer,
             context_length: config.context_length,
             vocab_size: config.vocab_size,
             model_name,
             limits,
+            defaults,
+            grammars,
         })
+    }
+
+    fn rules(&self) -> Rules<'_> {
+        Rules {
+            limits: &self.limits,
+            defaults: &self.defaults,
+            vocab_size: self.vocab_size,
+        }
     }
 
     pub fn check_model(&self, model: &str) -> Result<(), ApiError> {
@@ -67,19 +101,22 @@ impl Frontend {
         self.check_model(&req.model)?;
         let logprobs = params::chat_logprobs(req.logprobs, req.top_logprobs)?;
         let max = req.max_completion_tokens.or(req.params.max_tokens);
-        let params = params::parse(&req.params, max, logprobs, &self.limits)?;
-        let tokens = self.chat_tokens(&req.messages, true)?;
+        let mut params = params::parse(&req.params, max, logprobs, &self.rules())?;
+        let structured = structured::plan(req, self.grammars.as_ref())?;
+        params.sampling.grammar = structured.grammar.clone();
+        let tokens = self.render_chat(&req.messages, true, &structured)?;
         let plan = self.plan(tokens, params.max_tokens, None)?;
         Ok(Prepared {
             prompts: vec![plan],
             params,
+            parse_calls: structured.parse_calls,
         })
     }
 
     pub fn prepare_completion(&self, req: &CompletionRequest) -> Result<Prepared, ApiError> {
         self.check_model(&req.model)?;
         let logprobs = params::completion_logprobs(req.logprobs)?;
-        let params = params::parse(&req.params, req.params.max_tokens, logprobs, &self.limits)?;
+        let params = params::parse(&req.params, req.params.max_tokens, logprobs, &self.rules())?;
         let echo = req.echo.unwrap_or(false);
         let prompts = self.completion_prompts(&req.prompt)?;
         if prompts.len() as u64 * params.n as u64 > self.limits.max_n as u64 * 8 {
@@ -95,7 +132,11 @@ impl Frontend {
                 self.plan(tokens, params.max_tokens, text)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Prepared { prompts, params })
+        Ok(Prepared {
+            prompts,
+            params,
+            parse_calls: false,
+        })
     }
 
     /// Renders the chat template and tokenizes the result.
@@ -104,13 +145,32 @@ impl Frontend {
         messages: &[RequestMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, ApiError> {
+        self.render_chat(messages, add_generation_prompt, &Structured::default())
+    }
+
+    /// Renders the chat template, with the tools described in the system
+    /// message, and tokenizes the result.
+    fn render_chat(
+        &self,
+        messages: &[RequestMessage],
+        add_generation_prompt: bool,
+        structured: &Structured,
+    ) -> Result<Vec<u32>, ApiError> {
         if messages.is_empty() {
             return Err(ApiError::invalid("messages", "messages must not be empty"));
         }
-        let messages = messages
+        let mut messages = messages
             .iter()
             .map(message_text)
             .collect::<Result<Vec<_>, _>>()?;
+        if let Some(tools) = &structured.tools_prompt {
+            match messages.first_mut() {
+                Some(m) if m.role == "system" => {
+                    m.content = format!("{}\n\n{tools}", m.content);
+                }
+                _ => messages.insert(0, ChatMessage::new("system", tools.clone())),
+            }
+        }
         let text = self
             .tokenizer
             .apply_chat_template(&messages, add_generation_prompt)
@@ -216,6 +276,18 @@ fn message_text(m: &RequestMessage) -> Result<ChatMessage, ApiError> {
     let role = match m.role.as_str() {
         "developer" => "system",
         r => r,
+    };
+    // Calls and their results, as the model writes and reads them.
+    let content = match (role, &m.tool_calls) {
+        ("assistant", Some(calls)) if !calls.is_empty() => {
+            let calls = structured::render_calls(calls);
+            match content.is_empty() {
+                true => calls,
+                false => format!("{content}\n{calls}"),
+            }
+        }
+        ("tool", _) => format!("<tool_response>\n{content}\n</tool_response>"),
+        _ => content,
     };
     Ok(ChatMessage::new(role, content))
 }

@@ -191,6 +191,7 @@ fn header(s: &AppState, request: &Request, format: Format, prepared: &Prepared) 
         format,
         logprobs: prepared.params.logprobs,
         include_usage: prepared.params.include_usage,
+        parse_calls: prepared.parse_calls,
     }
 }
 

@@ -5,6 +5,7 @@
 
 pub mod autoscaler;
 pub mod config;
+pub mod defaults;
 pub mod discovery;
 pub mod dispatch;
 pub mod error;
@@ -17,6 +18,7 @@ pub mod policy;
 pub mod registry;
 pub mod request;
 pub mod respond;
+pub mod structured;
 pub mod supervisor;
 
 use std::sync::Arc;

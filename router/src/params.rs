@@ -10,6 +10,7 @@ use pdserve_text::sampling::MAX_TOP_LOGPROBS;
 use pdserve_text::stop::StopMatcher;
 
 use crate::config::Limits;
+use crate::defaults::SamplingDefaults;
 use crate::error::ApiError;
 
 /// How logprobs are reported, by endpoint.
@@ -78,43 +79,134 @@ fn fresh_seed() -> u64 {
     h.finish()
 }
 
-/// Validates the parameters both endpoints share.
-pub fn parse(
+/// What a request is checked against: the front end's limits, the
+/// server's sampling defaults and the vocabulary size.
+pub struct Rules<'a> {
+    pub limits: &'a Limits,
+    pub defaults: &'a SamplingDefaults,
+    pub vocab_size: usize,
+}
+
+/// Most `logit_bias` entries one request may give.
+pub const MAX_LOGIT_BIAS_ENTRIES: usize = 1024;
+
+/// `logit_bias`: token ids (as strings) to biases in [-100, 100].
+fn logit_bias(
+    map: Option<&serde_json::Map<String, serde_json::Value>>,
+    vocab_size: usize,
+) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(map) = map else {
+        return Ok(Vec::new());
+    };
+    let bad = |m: String| ApiError::invalid("logit_bias", m);
+    if map.len() > MAX_LOGIT_BIAS_ENTRIES {
+        return Err(bad(format!(
+            "logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries"
+        )));
+    }
+    let mut out = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        let token = key
+            .parse::<u32>()
+            .ok()
+            .filter(|&t| (t as usize) < vocab_size)
+            .ok_or_else(|| {
+                bad(format!(
+                    "logit_bias key {key:?} is not a token id below {vocab_size}"
+                ))
+            })?;
+        let bias = value
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                bad(format!(
+                    "logit_bias for token {token} must be a number in [-100, 100], got {value}"
+                ))
+            })?;
+        out.push((token, bias as f32));
+    }
+    out.sort_by_key(|&(t, _)| t);
+    Ok(out)
+}
+
+/// The sampling fields, each checked, or the server's default when absent.
+fn sampling_spec(
     p: &CommonParams,
-    max_tokens: Option<i64>,
-    logprobs: LogprobMode,
-    limits: &Limits,
-) -> Result<Params, ApiError> {
-    let max_tokens = max_tokens
-        .map(|m| int_range("max_tokens", m, 1, u32::MAX as i64))
-        .transpose()?;
-    let top_k = match p.top_k.unwrap_or(-1) {
+    top_logprobs: u32,
+    rules: &Rules,
+) -> Result<SamplingSpec, ApiError> {
+    let d = rules.defaults;
+    let top_k = match p.top_k.unwrap_or(d.top_k.value) {
         -1 | 0 => None,
         k => Some(int_range("top_k", k, 1, u32::MAX as i64)?),
     };
-    let stop = p.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
-    let stop = StopMatcher::new(stop).map_err(|e| ApiError::invalid("stop", e.to_string()))?;
-    let top_logprobs = match logprobs {
-        LogprobMode::None => 0,
-        LogprobMode::Chat(k) | LogprobMode::Completion(k) => k,
-    };
-    let sampling = SamplingSpec {
-        temperature: range("temperature", p.temperature, 0.0, 2.0, 1.0)?,
+    Ok(SamplingSpec {
+        temperature: range("temperature", p.temperature, 0.0, 2.0, d.temperature.value)?,
         top_k,
-        top_p: match range("top_p", p.top_p, 0.0, 1.0, 1.0)? {
+        top_p: match range("top_p", p.top_p, 0.0, 1.0, d.top_p.value)? {
             v if v > 0.0 => v,
             _ => return Err(ApiError::invalid("top_p", "top_p must be greater than 0")),
         },
-        min_p: range("min_p", p.min_p, 0.0, 1.0, 0.0)?,
-        presence_penalty: range("presence_penalty", p.presence_penalty, -2.0, 2.0, 0.0)?,
-        frequency_penalty: range("frequency_penalty", p.frequency_penalty, -2.0, 2.0, 0.0)?,
+        min_p: range("min_p", p.min_p, 0.0, 1.0, d.min_p.value)?,
+        presence_penalty: range(
+            "presence_penalty",
+            p.presence_penalty,
+            -2.0,
+            2.0,
+            d.presence_penalty.value,
+        )?,
+        frequency_penalty: range(
+            "frequency_penalty",
+            p.frequency_penalty,
+            -2.0,
+            2.0,
+            d.frequency_penalty.value,
+        )?,
         seed: p.seed.map(|s| s as u64).unwrap_or_else(fresh_seed),
         top_logprobs,
         max_tokens: 0,
         ignore_eos: p.ignore_eos.unwrap_or(false),
         stop_token_ids: Vec::new(),
         replayed_tokens: 0,
+        repetition_penalty: match range(
+            "repetition_penalty",
+            p.repetition_penalty,
+            0.0,
+            10.0,
+            d.repetition_penalty_for(p.temperature.is_some()),
+        )? {
+            r if r > 0.0 => r,
+            _ => {
+                return Err(ApiError::invalid(
+                    "repetition_penalty",
+                    "repetition_penalty must be greater than 0",
+                ))
+            }
+        },
+        logit_bias: logit_bias(p.logit_bias.as_ref(), rules.vocab_size)?,
+        grammar: None,
+    })
+}
+
+/// Validates the parameters both endpoints share; a parameter left out
+/// takes the server's default.
+pub fn parse(
+    p: &CommonParams,
+    max_tokens: Option<i64>,
+    logprobs: LogprobMode,
+    rules: &Rules,
+) -> Result<Params, ApiError> {
+    let limits = rules.limits;
+    let max_tokens = max_tokens
+        .map(|m| int_range("max_tokens", m, 1, u32::MAX as i64))
+        .transpose()?;
+    let stop = p.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
+    let stop = StopMatcher::new(stop).map_err(|e| ApiError::invalid("stop", e.to_string()))?;
+    let top_logprobs = match logprobs {
+        LogprobMode::None => 0,
+        LogprobMode::Chat(k) | LogprobMode::Completion(k) => k,
     };
+    let sampling = sampling_spec(p, top_logprobs, rules)?;
     let n = int_range("n", p.n.unwrap_or(1), 1, limits.max_n as i64)?;
     let stream = p.stream.unwrap_or(false);
     let include_usage = p.stream_options.as_ref().is_some_and(|o| o.include_usage);
@@ -184,12 +276,22 @@ mod tests {
             max_concurrent_requests: 10,
             default_max_tokens: 16,
             max_n: 4,
+            sampling: Default::default(),
         }
     }
 
     fn parse_json(json: &str) -> Result<Params, ApiError> {
         let p: CommonParams = serde_json::from_str(json).unwrap();
-        parse(&p, p.max_tokens, LogprobMode::None, &limits())
+        let (limits, defaults) = (
+            limits(),
+            SamplingDefaults::resolve(&Default::default(), &Default::default()),
+        );
+        let rules = Rules {
+            limits: &limits,
+            defaults: &defaults,
+            vocab_size: 100,
+        };
+        parse(&p, p.max_tokens, LogprobMode::None, &rules)
     }
 
     #[test]
@@ -205,6 +307,12 @@ mod tests {
             (r#"{"n":0}"#, "n"),
             (r#"{"max_tokens":0}"#, "max_tokens"),
             (r#"{"top_k":-2}"#, "top_k"),
+            (r#"{"repetition_penalty":0}"#, "repetition_penalty"),
+            (r#"{"repetition_penalty":11}"#, "repetition_penalty"),
+            (r#"{"logit_bias":{"100":1}}"#, "logit_bias"),
+            (r#"{"logit_bias":{"x":1}}"#, "logit_bias"),
+            (r#"{"logit_bias":{"5":101}}"#, "logit_bias"),
+            (r#"{"logit_bias":{"5":"1"}}"#, "logit_bias"),
             (
                 r#"{"stop":["a","b","c","d","e","f","g","h","i","j","k","l","m","n","o","p","q"]}"#,
                 "stop",
@@ -230,6 +338,20 @@ mod tests {
         assert_eq!(p.sampling.seed, u64::MAX);
         assert_eq!(p.n, 1);
         assert!(!p.stream);
+        // Left out: the server's defaults.
+        let d = parse_json(r#"{"logit_bias":{"7":-100,"3":2.5}}"#).unwrap();
+        assert_eq!(
+            d.sampling.temperature as f64,
+            crate::defaults::BUILT_IN_TEMPERATURE as f32 as f64
+        );
+        assert_eq!(d.sampling.top_p, crate::defaults::BUILT_IN_TOP_P as f32);
+        assert_eq!(
+            d.sampling.repetition_penalty,
+            crate::defaults::BUILT_IN_REPETITION_PENALTY as f32
+        );
+        let greedy = parse_json(r#"{"temperature":0}"#).unwrap();
+        assert_eq!(greedy.sampling.repetition_penalty, 1.0);
+        assert_eq!(d.sampling.logit_bias, vec![(3, 2.5), (7, -100.0)]);
     }
 
     #[test]

@@ -9,7 +9,7 @@ mod common;
 use common::process::*;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -98,27 +98,13 @@ async fn the_local_cluster_survives_a_killed_worker_and_stops_on_sigterm() {
     }
 }
 
-fn python_with_openai() -> Option<String> {
-    let python = std::env::var("PDSERVE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&python)
-        .args(["-c", "import openai"])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok || !in_ci(),
-        "CI installs the openai package; `{python} -c 'import openai'` failed"
-    );
-    ok.then_some(python)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_python_sdk_works_against_the_real_model() {
     let Some(model) = real_model() else {
         eprintln!("skipped: {REAL_MODEL} is not present (deploy/local/fetch-model.sh)");
         return;
     };
-    let Some(python) = python_with_openai() else {
+    let Some(python) = python_with("openai") else {
         eprintln!("skipped: the openai Python package is not installed");
         return;
     };

@@ -26,6 +26,17 @@ pub struct Target {
     /// Send `ignore_eos` so outputs have exactly `max_tokens` tokens.
     pub ignore_eos: bool,
     pub timeout: Duration,
+    /// Merged into every request body last (`--extra-body`).
+    pub extra: serde_json::Map<String, Value>,
+}
+
+/// Parses `--extra-body`: it must be a JSON object.
+pub fn json_object(s: &str) -> Result<serde_json::Map<String, Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err("must be a JSON object".into()),
+        Err(e) => Err(format!("not JSON: {e}")),
+    }
 }
 
 impl Target {
@@ -53,6 +64,7 @@ impl Target {
         if self.ignore_eos {
             obj.insert("ignore_eos".into(), json!(true));
         }
+        obj.extend(self.extra.clone());
         body
     }
 
@@ -238,5 +250,32 @@ async fn read_stream(
             Some(Err(e)) => return Err(class_of_error(&e)),
             None => return Err("truncated".into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extra_body_is_an_object_merged_last() {
+        assert!(json_object("[1]").is_err());
+        assert!(json_object("{").is_err());
+        let extra =
+            json_object(r#"{"temperature": 0.5, "response_format": {"type": "json_object"}}"#);
+        let target = Target {
+            url: "http://127.0.0.1:1".into(),
+            model: "m".into(),
+            api_key: None,
+            endpoint: Endpoint::Chat,
+            stream: true,
+            ignore_eos: true,
+            timeout: Duration::from_secs(1),
+            extra: extra.unwrap(),
+        };
+        let body = target.body_with(json!({"prompt": "hi"}), 8);
+        assert_eq!(body["temperature"], json!(0.5));
+        assert_eq!(body["response_format"]["type"], "json_object");
+        assert_eq!(body["max_tokens"], 8);
     }
 }

@@ -93,6 +93,10 @@ pub struct RunArgs {
     /// One request's timeout in seconds.
     #[arg(long, env = "PDSERVE_LOADTEST_TIMEOUT", default_value_t = 300.0)]
     pub timeout: f64,
+    /// A JSON object merged into every request body; its fields win over the
+    /// harness's own (e.g. `{"response_format": {"type": "json_object"}}`).
+    #[arg(long, env = "PDSERVE_LOADTEST_EXTRA_BODY", value_parser = client::json_object)]
+    pub extra_body: Option<serde_json::Map<String, serde_json::Value>>,
     /// Open loop: requests in flight at most before arrivals count as `client_overload`.
     #[arg(long, env = "PDSERVE_LOADTEST_MAX_IN_FLIGHT", default_value_t = 4096)]
     pub max_in_flight: usize,
@@ -218,6 +222,7 @@ impl RunArgs {
                     stream: !self.no_stream,
                     ignore_eos: !self.no_ignore_eos,
                     timeout: Duration::from_secs_f64(self.timeout),
+                    extra: self.extra_body.clone().unwrap_or_default(),
                 };
                 (label, target)
             })

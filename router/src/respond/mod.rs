@@ -7,6 +7,7 @@
 pub mod choice;
 pub mod render;
 mod sse;
+pub mod tools;
 
 use std::sync::Arc;
 

@@ -29,6 +29,8 @@ pub struct Header {
     pub logprobs: LogprobMode,
     /// Whether streamed chunks carry `usage` (null until the last one).
     pub include_usage: bool,
+    /// Whether tool calls are parsed out of the text (chat with tools).
+    pub parse_calls: bool,
 }
 
 /// What one choice produced, for the non-streaming object.
@@ -93,7 +95,28 @@ fn completion_logprobs(tok: &Tokenizer, tokens: &[TokenLp], offset: u32) -> Comp
     out
 }
 
+/// `stop` becomes `tool_calls` once the choice made calls.
+pub fn finish_with_calls(reason: Option<&str>, calls: u32) -> Option<String> {
+    match (reason, calls) {
+        (Some("stop"), 1..) => Some("tool_calls".into()),
+        (r, _) => r.map(str::to_string),
+    }
+}
+
 impl Header {
+    /// A chat turn's message: its text, and its calls when they are parsed.
+    fn message(&self, text: String) -> ResponseMessage {
+        let (content, calls) = match self.parse_calls {
+            true => super::tools::split(&text),
+            false => (Some(text), vec![]),
+        };
+        ResponseMessage {
+            role: "assistant".into(),
+            content,
+            tool_calls: (!calls.is_empty()).then_some(calls),
+        }
+    }
+
     fn usage_field(&self) -> UsageField {
         match self.include_usage {
             true => UsageField::Null,
@@ -188,11 +211,14 @@ impl Header {
                         index: i as u32,
                         logprobs: matches!(self.logprobs, LogprobMode::Chat(_))
                             .then(|| chat_logprobs(tok, &r.tokens)),
-                        message: ResponseMessage {
-                            role: "assistant".into(),
-                            content: r.text,
-                        },
-                        finish_reason: r.finish_reason,
+                        finish_reason: r.finish_reason.clone(),
+                        message: self.message(r.text),
+                    })
+                    .map(|mut c| {
+                        if c.message.tool_calls.is_some() {
+                            c.finish_reason = finish_with_calls(c.finish_reason.as_deref(), 1);
+                        }
+                        c
                     })
                     .collect(),
                 usage,

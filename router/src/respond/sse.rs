@@ -10,11 +10,12 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::stream::{self, select_all, BoxStream, StreamExt};
-use pdserve_protocol::openai::{Delta, Usage};
+use pdserve_protocol::openai::{Delta, FunctionCallDelta, ToolCallDelta, Usage};
 use serde_json::Value;
 
 use super::choice::{Choice, Update};
-use super::render::Format;
+use super::render::{finish_with_calls, Format};
+use super::tools::{CallParser, Piece};
 use super::{cached_usage, prompt_usage, Ctx};
 use crate::error::ApiError;
 use crate::frontend::Prepared;
@@ -41,6 +42,9 @@ pub(super) async fn stream(ctx: Ctx, prepared: &Prepared, choices: Vec<Choice>) 
         .map(|i| prepared.prompts.get(i / n).and_then(|p| p.echo.clone()))
         .collect();
     let writer = SseWriter {
+        parsers: (0..echoes.len())
+            .map(|_| prepared.parse_calls.then(CallParser::default))
+            .collect(),
         started: vec![false; echoes.len()],
         offsets: vec![0; echoes.len()],
         echoes,
@@ -68,6 +72,8 @@ pub(super) async fn stream(ctx: Ctx, prepared: &Prepared, choices: Vec<Choice>) 
 
 struct SseWriter {
     ctx: Ctx,
+    /// Per choice, when tool calls are parsed out of the text.
+    parsers: Vec<Option<CallParser>>,
     started: Vec<bool>,
     offsets: Vec<u32>,
     echoes: Vec<Option<String>>,
@@ -94,11 +100,13 @@ impl SseWriter {
             Format::Chat => Delta {
                 role: Some("assistant".into()),
                 content: Some(String::new()),
+                tool_calls: None,
             },
             Format::Completion => match self.echoes[i].take() {
                 Some(echo) => Delta {
                     role: None,
                     content: Some(echo),
+                    tool_calls: None,
                 },
                 None => return,
             },
@@ -108,6 +116,50 @@ impl SseWriter {
             &h.chunk(&self.ctx.tokenizer, index, delta, &[], None, 0),
             out,
         );
+    }
+
+    /// With tool calls parsed (chat with tools): writes the calls' deltas of
+    /// this piece of output, and returns the text that is not a call and the
+    /// finish reason (`tool_calls` once the choice made calls).
+    fn split_calls(
+        &mut self,
+        index: u32,
+        text: String,
+        finish: Option<String>,
+        out: &mut Vec<u8>,
+    ) -> (String, Option<String>) {
+        let Some(Some(parser)) = self.parsers.get_mut(index as usize) else {
+            return (text, finish);
+        };
+        let mut pieces = parser.push(&text);
+        let mut finish = finish;
+        if finish.is_some() {
+            pieces.extend(parser.finish());
+            finish = finish_with_calls(finish.as_deref(), parser.calls());
+        }
+        let mut text = String::new();
+        for piece in pieces {
+            let call = match piece {
+                Piece::Text(t) => {
+                    text.push_str(&t);
+                    continue;
+                }
+                Piece::Call { index, id, name } => {
+                    call_delta(index, Some((id, name)), String::new())
+                }
+                Piece::Args { index, text } => call_delta(index, None, text),
+            };
+            let delta = Delta {
+                tool_calls: Some(vec![call]),
+                ..Delta::default()
+            };
+            let chunk = self
+                .ctx
+                .header
+                .chunk(&self.ctx.tokenizer, index, delta, &[], None, 0);
+            sse(&chunk, out);
+        }
+        (text, finish)
     }
 
     fn on_update(&mut self, u: Update) -> Bytes {
@@ -134,11 +186,12 @@ impl SseWriter {
             }
         };
         self.open(index, &mut out);
+        let i = index as usize;
+        let (text, finish) = self.split_calls(index, text, finish.map(str::to_string), &mut out);
         let wants_logprobs = !matches!(self.ctx.header.logprobs, LogprobMode::None);
         if text.is_empty() && finish.is_none() && !wants_logprobs {
             return Bytes::from(out);
         }
-        let i = index as usize;
         let offset = self.offsets.get(i).copied().unwrap_or(0);
         if let Some(o) = self.offsets.get_mut(i) {
             *o += text.len() as u32;
@@ -147,11 +200,16 @@ impl SseWriter {
             role: None,
             content: (!text.is_empty() || self.ctx.header.format == Format::Completion)
                 .then_some(text),
+            tool_calls: None,
         };
-        let chunk =
-            self.ctx
-                .header
-                .chunk(&self.ctx.tokenizer, index, delta, &tokens, finish, offset);
+        let chunk = self.ctx.header.chunk(
+            &self.ctx.tokenizer,
+            index,
+            delta,
+            &tokens,
+            finish.as_deref(),
+            offset,
+        );
         sse(&chunk, &mut out);
         Bytes::from(out)
     }
@@ -177,5 +235,16 @@ impl SseWriter {
         self.ctx.request.count_tokens(self.usage);
         self.ctx.request.succeed();
         Bytes::from(out)
+    }
+}
+
+/// One streamed piece of a call: the first carries its id, type and name.
+fn call_delta(index: u32, start: Option<(String, String)>, arguments: String) -> ToolCallDelta {
+    let (id, name) = start.unzip();
+    ToolCallDelta {
+        index,
+        kind: id.as_ref().map(|_| "function".to_string()),
+        id,
+        function: FunctionCallDelta { name, arguments },
     }
 }

@@ -16,6 +16,23 @@ pub fn workers_built() -> bool {
         .all(|b| workspace_binary(b).is_some())
 }
 
+/// The Python that can `import` each of `modules` (`$PDSERVE_PYTHON`, else
+/// `python3`); None when it cannot, which CI never allows.
+pub fn python_with(modules: &str) -> Option<String> {
+    let python = std::env::var("PDSERVE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let import = format!("import {modules}");
+    let ok = Command::new(&python)
+        .args(["-c", &import])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok || !in_ci(),
+        "CI installs the openai package; `{python} -c '{import}'` failed"
+    );
+    ok.then_some(python)
+}
+
 pub struct Router {
     pub child: Child,
     pub url: String,
