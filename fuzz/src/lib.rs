@@ -93,6 +93,7 @@ pub fn limits() -> Limits {
         max_concurrent_requests: 4096,
         default_max_tokens: 1024,
         max_n: 16,
+        sampling: Default::default(),
     }
 }
 
