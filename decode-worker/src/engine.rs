@@ -17,9 +17,9 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Instant;
 
-use pdserve_engine::sampler::{Grammars, Sampled, SamplingError, SeqSampler};
+use pdserve_engine::sampler::{logprob_of, Grammars, Sampled, SamplingError, SeqSampler};
 use pdserve_engine::{KvError, KvPool, Model, SeqKv};
-use pdserve_protocol::internal::{ErrorBody, ErrorClass, ErrorKind};
+use pdserve_protocol::internal::{ErrorBody, ErrorClass, ErrorKind, PromptLogprob};
 use pdserve_worker::decode::{retire, DecodeArgs, DecodeJob, DecodeMetrics, Outcome, SeqStream};
 use pdserve_worker::queue::EngineStats;
 use rayon::prelude::*;
@@ -121,6 +121,13 @@ impl Scheduler {
             Ok(s) => s,
             Err(e) => return stream.fail(sampling_error(e), &self.metrics),
         };
+        if stream.spec.prompt_logprobs {
+            let top = stream.spec.top_logprobs as usize;
+            match self.prompt_logprobs(&job.prompt, top) {
+                Ok(entries) => stream.prompt_logprobs(entries),
+                Err(e) => return stream.fail(e, &self.metrics),
+            }
+        }
         let mut seq = Seq {
             sampler,
             stream,
@@ -134,6 +141,33 @@ impl Scheduler {
             }
         }
         self.waiting.push_back(seq);
+    }
+
+    /// The logprob of every prompt token after the first, computed a chunk
+    /// at a time on a scratch KV: the sequence's own KV may hold a cached
+    /// prefix, whose positions were never computed here.
+    fn prompt_logprobs(&self, prompt: &[u32], top: usize) -> Result<Vec<PromptLogprob>, ErrorBody> {
+        let mut kv = self.pool.sequence();
+        let chunk = self.cfg.limits.prefill_chunk_tokens.max(1);
+        let mut out = Vec::with_capacity(prompt.len().saturating_sub(1));
+        for (c, tokens) in prompt.chunks(chunk).enumerate() {
+            kv.reserve_to(c * chunk + tokens.len())
+                .map_err(|e| ErrorBody::from(&e))?;
+            let logits = self
+                .model
+                .prefill_all_logits(tokens, &mut kv)
+                .map_err(|e| ErrorBody::from(&e))?;
+            let nexts = prompt.iter().skip(c * chunk + 1).take(tokens.len());
+            for (i, &next) in nexts.enumerate() {
+                let (logprob, top_logprobs) =
+                    logprob_of(logits.row(i), next, top).map_err(sampling_error)?;
+                out.push(PromptLogprob {
+                    logprob,
+                    top_logprobs,
+                });
+            }
+        }
+        Ok(out)
     }
 
     /// One scheduling round: a prefill chunk, admission, room for the next

@@ -116,8 +116,11 @@ impl Frontend {
     pub fn prepare_completion(&self, req: &CompletionRequest) -> Result<Prepared, ApiError> {
         self.check_model(&req.model)?;
         let logprobs = params::completion_logprobs(req.logprobs)?;
-        let params = params::parse(&req.params, req.params.max_tokens, logprobs, &self.rules())?;
+        let mut params =
+            params::parse(&req.params, req.params.max_tokens, logprobs, &self.rules())?;
         let echo = req.echo.unwrap_or(false);
+        // The API defines prompt logprobs for an echoed prompt only.
+        params.sampling.prompt_logprobs = echo && logprobs != params::LogprobMode::None;
         let prompts = self.completion_prompts(&req.prompt)?;
         if prompts.len() as u64 * params.n as u64 > self.limits.max_n as u64 * 8 {
             return Err(ApiError::invalid(

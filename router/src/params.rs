@@ -185,6 +185,7 @@ fn sampling_spec(
         },
         logit_bias: logit_bias(p.logit_bias.as_ref(), rules.vocab_size)?,
         grammar: None,
+        prompt_logprobs: false,
     })
 }
 

@@ -485,4 +485,42 @@ status, body = post("/v1/chat/completions", {
 assert status == 200 and "Paris" in body["choices"][0]["message"]["content"], body
 print("i. defaults, seeds 1..5:", answers)
 
+# --- j. completions: echo with prompt logprobs ---------------------------------
+
+prompt = "The capital of France is"
+prompt_ids = token_ids(prompt)
+r = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
+generated = r.choices[0]
+r = client.completions.create(
+    model=model, prompt=prompt + generated.text, max_tokens=1, temperature=0, logprobs=2, echo=True,
+)
+lp = r.choices[0].logprobs
+n_prompt = r.usage.prompt_tokens
+assert r.choices[0].text.startswith(prompt + generated.text), r
+assert len(lp.tokens) == n_prompt + 1 == len(lp.token_logprobs) == len(lp.text_offset), lp
+assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
+assert all(x <= 0 for x in lp.token_logprobs[1:]), lp
+assert all(len(t) == 2 for t in lp.top_logprobs[1:]), lp
+assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset), lp
+assert "".join(lp.tokens[:n_prompt]) == prompt + generated.text, lp.tokens
+# The echoed prompt's last tokens are the first request's output: the same
+# logprobs whether generated or scored as prompt.
+scored = lp.token_logprobs[len(prompt_ids):n_prompt]
+assert len(scored) == len(generated.logprobs.token_logprobs), (scored, generated.logprobs)
+for a, b in zip(scored, generated.logprobs.token_logprobs):
+    assert abs(a - b) < 0.05, (scored, generated.logprobs.token_logprobs)
+
+# Streamed: the first chunk is the echo, with the prompt's logprobs.
+stream = client.completions.create(
+    model=model, prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True, stream=True,
+)
+chunks = [c for c in stream if c.choices]
+first = chunks[0].choices[0]
+assert first.text == prompt, first
+assert len(first.logprobs.tokens) == len(prompt_ids), first.logprobs
+assert first.logprobs.token_logprobs[0] is None, first.logprobs
+assert all(x <= 0 for x in first.logprobs.token_logprobs[1:]), first.logprobs
+print("j. echo + logprobs: prompt", [round(x, 2) if x is not None else None for x in lp.token_logprobs[:n_prompt]],
+      "scored vs generated", [round(x, 3) for x in scored], [round(x, 3) for x in generated.logprobs.token_logprobs])
+
 print(f"all structured SDK checks passed ({time.monotonic() - started:.0f} s)")

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use pdserve_protocol::internal::{
     ErrorBody, FinishReason, GenerateEvent, GenerateRequest, KvSource, Pool, PrefillEvent,
-    PrefillJob, PrefillResult, SamplingSpec,
+    PrefillJob, PrefillResult, PromptLogprob, SamplingSpec,
 };
 use pdserve_runtime::metrics::labels;
 use tokio::sync::mpsc;
@@ -53,6 +53,8 @@ pub struct SequenceRequest {
 /// What a sequence produces.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SeqEvent {
+    /// The prompt's logprobs, before the first token (when asked for).
+    PromptLogprobs(Vec<PromptLogprob>),
     Token {
         id: u32,
         logprob: f32,

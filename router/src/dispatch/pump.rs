@@ -151,6 +151,12 @@ impl Pump {
             };
             let finished = match event {
                 GenerateEvent::Reserved { .. } => continue,
+                GenerateEvent::PromptLogprobs { entries } => {
+                    if !out.prompt_logprobs(entries).await {
+                        return End::Done;
+                    }
+                    continue;
+                }
                 GenerateEvent::Token {
                     id,
                     logprob,

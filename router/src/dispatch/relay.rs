@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pdserve_protocol::internal::{FinishReason, MAX_REQUEST_ID_LEN};
+use pdserve_protocol::internal::{FinishReason, PromptLogprob, MAX_REQUEST_ID_LEN};
 use tokio::sync::mpsc;
 
 use super::pump::{is_migratable, reason, End, Pump};
@@ -37,10 +37,24 @@ pub(super) struct Out {
     /// When the stream stopped moving, until the next token after a migration.
     lost_since: Option<Instant>,
     last_token: Instant,
+    /// The prompt's logprobs went out (a later attempt's are dropped).
+    prompt_logprobs_sent: bool,
     dispatcher: Arc<Dispatcher>,
 }
 
 impl Out {
+    /// Passes the prompt's logprobs on, once; false once the client has
+    /// gone away.
+    pub(super) async fn prompt_logprobs(&mut self, entries: Vec<PromptLogprob>) -> bool {
+        if std::mem::replace(&mut self.prompt_logprobs_sent, true) {
+            return !self.tx.is_closed();
+        }
+        self.tx
+            .send(Ok(SeqEvent::PromptLogprobs(entries)))
+            .await
+            .is_ok()
+    }
+
     /// Passes a token on; false once the client has gone away.
     pub(super) async fn token(&mut self, token: SeqEvent) -> bool {
         if let SeqEvent::Token { id, .. } = &token {
@@ -98,6 +112,7 @@ impl Relay {
             replayed: 0,
             lost_since: None,
             last_token: Instant::now(),
+            prompt_logprobs_sent: false,
             dispatcher: dispatcher.clone(),
         };
         Self {
@@ -218,6 +233,8 @@ impl Relay {
         req.prompt.extend_from_slice(generated);
         req.sampling.max_tokens -= generated.len() as u32;
         req.sampling.replayed_tokens += generated.len() as u32;
+        // The prompt's logprobs come once, and only over the prompt itself.
+        req.sampling.prompt_logprobs &= !self.out.prompt_logprobs_sent && generated.is_empty();
         req.prefer_decode = None;
         req
     }

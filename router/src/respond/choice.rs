@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use pdserve_protocol::internal::FinishReason;
+use pdserve_protocol::internal::{FinishReason, PromptLogprob};
 use pdserve_text::detok::{IncrementalDecoder, TokenBytes};
 use pdserve_text::stop::{StopMatcher, StopOutput};
 use pdserve_text::Tokenizer;
@@ -26,6 +26,12 @@ pub struct TokenLp {
 /// What a choice contributes to the response.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Update {
+    /// The prompt's logprobs (completions' `echo` with `logprobs`), before
+    /// the first token.
+    Prompt {
+        index: u32,
+        entries: Vec<PromptLogprob>,
+    },
     /// One token: the text it released (possibly empty) and its logprob.
     Token {
         index: u32,
@@ -94,6 +100,12 @@ impl Choice {
     pub async fn next(&mut self) -> Option<Result<Update, ApiError>> {
         let event = self.seq.as_mut()?.next().await;
         let update = match event {
+            Some(Ok(SeqEvent::PromptLogprobs(entries))) => {
+                return Some(Ok(Update::Prompt {
+                    index: self.index,
+                    entries,
+                }))
+            }
             Some(Ok(SeqEvent::Token {
                 id,
                 logprob,

@@ -20,7 +20,7 @@ use crate::error::ApiError;
 use crate::frontend::Prepared;
 use crate::request::Request;
 use choice::{Choice, Update};
-use render::{ChoiceResult, Header};
+use render::{ChoiceResult, Header, PromptLps};
 
 /// One request's context on the way back.
 pub struct Ctx {
@@ -128,6 +128,10 @@ async fn complete(mut ctx: Ctx, prepared: &Prepared, choices: Vec<Choice>) -> Re
             let mut r = ChoiceResult::default();
             while let Some(update) = c.next().await {
                 match update? {
+                    Update::Prompt { entries, .. } => {
+                        let ids = Vec::new(); // The plan's, below.
+                        r.prompt = Some(PromptLps { ids, entries });
+                    }
                     Update::Token { text, token, .. } => {
                         ttft.call_once(|| request.observe_ttft());
                         r.text.push_str(&text);
@@ -154,9 +158,15 @@ async fn complete(mut ctx: Ctx, prepared: &Prepared, choices: Vec<Choice>) -> Re
     };
     let n = prepared.params.n as usize;
     for (i, r) in results.iter_mut().enumerate() {
-        if let Some(echo) = prepared.prompts.get(i / n).and_then(|p| p.echo.as_ref()) {
+        let Some(plan) = prepared.prompts.get(i / n) else {
+            continue;
+        };
+        if let Some(echo) = &plan.echo {
             r.echo_len = echo.len() as u32;
             r.text.insert_str(0, echo);
+        }
+        if let Some(p) = &mut r.prompt {
+            p.ids = plan.tokens.clone();
         }
     }
     let completion: u32 = results.iter().map(|r| r.completion_tokens).sum();

@@ -1,6 +1,7 @@
 //! The OpenAI object shapes, per endpoint: chunks of a stream and the
 //! final object of a non-streaming response.
 
+use pdserve_protocol::internal::PromptLogprob;
 use pdserve_protocol::openai::{
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, Completion,
     CompletionChoice, CompletionLogprobs, Delta, ResponseMessage, TokenLogprob, TopLogprob, Usage,
@@ -42,6 +43,15 @@ pub struct ChoiceResult {
     pub completion_tokens: u32,
     /// Bytes of echoed prompt at the start of `text`.
     pub echo_len: u32,
+    /// The echoed prompt's logprobs, when the worker computed them.
+    pub prompt: Option<PromptLps>,
+}
+
+/// An echoed prompt's tokens and the logprobs of each after the first.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PromptLps {
+    pub ids: Vec<u32>,
+    pub entries: Vec<PromptLogprob>,
 }
 
 fn chat_logprobs(tok: &Tokenizer, tokens: &[TokenLp]) -> ChatLogprobs {
@@ -76,23 +86,51 @@ fn chat_logprobs(tok: &Tokenizer, tokens: &[TokenLp]) -> ChatLogprobs {
     }
 }
 
-fn completion_logprobs(tok: &Tokenizer, tokens: &[TokenLp], offset: u32) -> CompletionLogprobs {
+/// Completions' logprobs: the echoed prompt's tokens first when there are
+/// prompt logprobs (the first token's `null`: nothing precedes it), then the
+/// generated `tokens`, whose text starts at byte `offset`.
+fn completion_logprobs(
+    tok: &Tokenizer,
+    prompt: Option<&PromptLps>,
+    tokens: &[TokenLp],
+    offset: u32,
+) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
+    if let Some(p) = prompt {
+        let mut at = 0;
+        for (k, &id) in p.ids.iter().enumerate() {
+            let entry = k.checked_sub(1).and_then(|k| p.entries.get(k));
+            let lp = entry.map(|e| (e.logprob, e.top_logprobs.as_slice()));
+            at = push_logprob(&mut out, tok, id, at, lp);
+        }
+    }
     let mut at = offset;
     for t in tokens {
-        let (text, _) = token_text(tok, t.id);
-        out.text_offset.push(at);
-        at += text.len() as u32;
-        out.tokens.push(text);
-        out.token_logprobs.push(t.logprob);
-        out.top_logprobs.push(
-            t.top
-                .iter()
-                .map(|&(id, lp)| (token_text(tok, id).0, Value::from(lp)))
-                .collect(),
-        );
+        at = push_logprob(&mut out, tok, t.id, at, Some((t.logprob, t.top.as_slice())));
     }
     out
+}
+
+/// One token of completions' logprobs at byte `at`; returns where the next
+/// one starts.
+fn push_logprob(
+    out: &mut CompletionLogprobs,
+    tok: &Tokenizer,
+    id: u32,
+    at: u32,
+    lp: Option<(f32, &[(u32, f32)])>,
+) -> u32 {
+    let (text, _) = token_text(tok, id);
+    out.text_offset.push(at);
+    let next = at + text.len() as u32;
+    out.tokens.push(text);
+    out.token_logprobs.push(lp.map(|(logprob, _)| logprob));
+    out.top_logprobs.push(lp.map(|(_, top)| {
+        top.iter()
+            .map(|&(id, lp)| (token_text(tok, id).0, Value::from(lp)))
+            .collect()
+    }));
+    next
 }
 
 /// `stop` becomes `tool_calls` once the choice made calls.
@@ -151,13 +189,34 @@ impl Header {
                     index,
                     text: delta.content.unwrap_or_default(),
                     logprobs: matches!(self.logprobs, LogprobMode::Completion(_))
-                        .then(|| completion_logprobs(tok, tokens, text_offset)),
+                        .then(|| completion_logprobs(tok, None, tokens, text_offset)),
                     finish_reason,
                 }],
                 self.usage_field(),
             )),
         };
         value.unwrap_or(Value::Null)
+    }
+
+    /// A completion stream's echo chunk, with the prompt's logprobs when
+    /// the worker computed them.
+    pub fn echo_chunk(
+        &self,
+        tok: &Tokenizer,
+        index: u32,
+        echo: String,
+        prompt: Option<&PromptLps>,
+    ) -> Value {
+        let logprobs = matches!(self.logprobs, LogprobMode::Completion(_))
+            .then(|| completion_logprobs(tok, prompt, &[], 0));
+        let choice = CompletionChoice {
+            index,
+            text: echo,
+            logprobs,
+            finish_reason: None,
+        };
+        serde_json::to_value(self.completion(vec![choice], self.usage_field()))
+            .unwrap_or(Value::Null)
     }
 
     /// The last chunk of a stream with `include_usage`: no choices, the totals.
@@ -229,8 +288,9 @@ impl Header {
                     .enumerate()
                     .map(|(i, r)| CompletionChoice {
                         index: i as u32,
-                        logprobs: matches!(self.logprobs, LogprobMode::Completion(_))
-                            .then(|| completion_logprobs(tok, &r.tokens, r.echo_len)),
+                        logprobs: matches!(self.logprobs, LogprobMode::Completion(_)).then(|| {
+                            completion_logprobs(tok, r.prompt.as_ref(), &r.tokens, r.echo_len)
+                        }),
                         text: r.text,
                         finish_reason: r.finish_reason,
                     })

@@ -14,7 +14,7 @@ use pdserve_protocol::openai::{Delta, FunctionCallDelta, ToolCallDelta, Usage};
 use serde_json::Value;
 
 use super::choice::{Choice, Update};
-use super::render::{finish_with_calls, Format};
+use super::render::{finish_with_calls, Format, PromptLps};
 use super::tools::{CallParser, Piece};
 use super::{cached_usage, prompt_usage, Ctx};
 use crate::error::ApiError;
@@ -45,6 +45,12 @@ pub(super) async fn stream(ctx: Ctx, prepared: &Prepared, choices: Vec<Choice>) 
         parsers: (0..echoes.len())
             .map(|_| prepared.parse_calls.then(CallParser::default))
             .collect(),
+        prompt_ids: (0..echoes.len())
+            .map(|i| match prepared.params.sampling.prompt_logprobs {
+                true => prepared.prompts.get(i / n).map(|p| p.tokens.clone()),
+                false => None,
+            })
+            .collect(),
         started: vec![false; echoes.len()],
         offsets: vec![0; echoes.len()],
         echoes,
@@ -74,6 +80,8 @@ struct SseWriter {
     ctx: Ctx,
     /// Per choice, when tool calls are parsed out of the text.
     parsers: Vec<Option<CallParser>>,
+    /// Per choice, its prompt's tokens when prompt logprobs are asked for.
+    prompt_ids: Vec<Option<Vec<u32>>>,
     started: Vec<bool>,
     offsets: Vec<u32>,
     echoes: Vec<Option<String>>,
@@ -88,8 +96,9 @@ fn sse(value: &Value, out: &mut Vec<u8>) {
 }
 
 impl SseWriter {
-    /// The role chunk (chat) or echoed prompt (completions) opening a choice.
-    fn open(&mut self, index: u32, out: &mut Vec<u8>) {
+    /// The role chunk (chat) or echoed prompt (completions, with the
+    /// prompt's logprobs when they came first) opening a choice.
+    fn open(&mut self, index: u32, out: &mut Vec<u8>, prompt: Option<PromptLps>) {
         let i = index as usize;
         if self.started.get(i).copied().unwrap_or(true) {
             return;
@@ -102,14 +111,14 @@ impl SseWriter {
                 content: Some(String::new()),
                 tool_calls: None,
             },
-            Format::Completion => match self.echoes[i].take() {
-                Some(echo) => Delta {
-                    role: None,
-                    content: Some(echo),
-                    tool_calls: None,
-                },
-                None => return,
-            },
+            Format::Completion => {
+                let Some(echo) = self.echoes[i].take() else {
+                    return;
+                };
+                self.offsets[i] += echo.len() as u32;
+                let chunk = h.echo_chunk(&self.ctx.tokenizer, index, echo, prompt.as_ref());
+                return sse(&chunk, out);
+            }
         };
         self.offsets[i] += delta.content.as_ref().map_or(0, |c| c.len() as u32);
         sse(
@@ -165,6 +174,12 @@ impl SseWriter {
     fn on_update(&mut self, u: Update) -> Bytes {
         let mut out = Vec::new();
         let (index, text, tokens, finish) = match u {
+            Update::Prompt { index, entries } => {
+                let ids = self.prompt_ids.get(index as usize).cloned().flatten();
+                let prompt = ids.map(|ids| PromptLps { ids, entries });
+                self.open(index, &mut out, prompt);
+                return Bytes::from(out);
+            }
             Update::Token { index, text, token } => {
                 if !std::mem::replace(&mut self.ttft, true) {
                     self.ctx.request.observe_ttft();
@@ -185,7 +200,7 @@ impl SseWriter {
                 (index, text, vec![], Some(reason))
             }
         };
-        self.open(index, &mut out);
+        self.open(index, &mut out, None);
         let i = index as usize;
         let (text, finish) = self.split_calls(index, text, finish.map(str::to_string), &mut out);
         let wants_logprobs = !matches!(self.ctx.header.logprobs, LogprobMode::None);

@@ -267,6 +267,19 @@ impl Model {
     /// fails with [`EngineError::Interrupted`]. On error, no segment's KV
     /// changes.
     pub fn forward(&self, segs: &mut [Segment<'_>], on_layer: &mut OnLayer<'_>) -> Result<Logits> {
+        let x = self.hidden(segs, on_layer)?;
+        self.head(&x, segs)
+    }
+
+    /// Runs `tokens` into `kv` like [`Model::prefill`], and returns the
+    /// logits of every position, `[tokens, vocab]` (prompt logprobs).
+    pub fn prefill_all_logits(&self, tokens: &[u32], kv: &mut SeqKv) -> Result<Logits> {
+        let x = self.hidden(&mut [Segment { kv, tokens }], &mut every_layer)?;
+        self.lm_head_rows(x)
+    }
+
+    /// Every layer over the batch: the last hidden state of every row.
+    fn hidden(&self, segs: &mut [Segment<'_>], on_layer: &mut OnLayer<'_>) -> Result<Vec<f32>> {
         let rows = self.plan(segs)?;
         let result = self.run_layers(segs, &rows, on_layer);
         for s in segs.iter_mut() {
@@ -276,8 +289,7 @@ impl Model {
                 s.kv.rollback();
             }
         }
-        let x = result?;
-        self.head(&x, segs)
+        result
     }
 
     /// Validates the batch and maps each row to (segment, position).
@@ -439,8 +451,13 @@ impl Model {
             end += s.tokens.len();
             last.extend_from_slice(&x[(end - 1) * hidden..end * hidden]);
         }
+        self.lm_head_rows(last)
+    }
+
+    /// Final norm and LM head on every row of `x`.
+    fn lm_head_rows(&self, x: Vec<f32>) -> Result<Logits> {
         let data = self.clock.time(Stage::LmHead, || {
-            let h = rms_norm(&last, &self.norm, self.cfg.rms_eps);
+            let h = rms_norm(&x, &self.norm, self.cfg.rms_eps);
             self.lm_head.forward(&h, &self.device)
         })?;
         Ok(Logits {

@@ -65,6 +65,23 @@ pub fn sample(
     })
 }
 
+/// The logprob of `next` under `logits` (the model's own distribution, as
+/// OpenAI reports prompt logprobs) and the `top` most likely tokens.
+pub fn logprob_of(
+    logits: &[f32],
+    next: u32,
+    top: usize,
+) -> Result<(f32, Vec<(u32, f32)>), SamplingError> {
+    let stats = LogitStats::compute(logits, None)?;
+    let log_norm = stats.log_norm();
+    let logprob = logits
+        .get(next as usize)
+        .map_or(f32::NEG_INFINITY, |&x| clean(x))
+        - log_norm;
+    let top = top_logprobs(logits, top.min(MAX_TOP_LOGPROBS), log_norm);
+    Ok((logprob, top))
+}
+
 /// Applies `logit_bias`, the repetition penalty, then OpenAI-style presence
 /// and frequency penalties; borrows the input unchanged when none of them
 /// can have any effect.
@@ -239,6 +256,18 @@ mod tests {
             counts[draw(logits, p, pos) as usize] += 1;
         }
         counts.iter().map(|&c| c as f64 / draws as f64).collect()
+    }
+
+    #[test]
+    fn logprob_of_is_the_model_distribution() {
+        let logits = [1.0f32, 2.0, 3.0];
+        let norm = (1f32.exp() + 2f32.exp() + 3f32.exp()).ln();
+        let (lp, top) = logprob_of(&logits, 0, 2).unwrap();
+        assert!((lp - (1.0 - norm)).abs() < 1e-6, "{lp}");
+        assert_eq!(top.iter().map(|e| e.0).collect::<Vec<_>>(), vec![2, 1]);
+        assert!((top[0].1 - (3.0 - norm)).abs() < 1e-6);
+        assert_eq!(logprob_of(&logits, 9, 0).unwrap().0, f32::NEG_INFINITY);
+        assert!(logprob_of(&[f32::NAN], 0, 0).is_err());
     }
 
     #[test]

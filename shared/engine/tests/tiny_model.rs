@@ -112,6 +112,30 @@ fn chunked_prefill_equals_one_shot() {
 }
 
 #[test]
+fn every_position_logits_match_a_prefill_that_ends_there() {
+    let (_d, path) = tiny_model(&TinyModelSpec::default());
+    for format in FORMATS {
+        let m = load(&path, format);
+        let pool = pool(&m);
+        let p = prompt(20);
+        let mut kv = pool.allocate(20).unwrap();
+        let all = m.prefill_all_logits(&p, &mut kv).unwrap();
+        assert_eq!((all.len(), kv.len()), (20, 20));
+        let tol = if format == WeightFormat::F32 {
+            1e-4
+        } else {
+            1e-2
+        };
+        for end in [1, 7, 20] {
+            let mut alone = pool.allocate(end).unwrap();
+            let want = m.prefill(&p[..end], &mut alone).unwrap();
+            let diff = max_abs_diff(all.row(end - 1), &want);
+            assert!(diff < tol, "{format}, position {end}: {diff}");
+        }
+    }
+}
+
+#[test]
 fn batched_decode_of_different_lengths_equals_single_sequence_decode() {
     let (_d, path) = tiny_model(&TinyModelSpec::default());
     let m = load(&path, WeightFormat::Q8_0);

@@ -58,6 +58,11 @@ pub struct SamplingSpec {
     /// schemas are embedded with `%json`). The worker that samples compiles
     /// it and masks the logits at every step.
     pub grammar: Option<String>,
+    /// Also report the logprob of every prompt token after the first
+    /// (completions' `echo` with `logprobs`), with `top_logprobs`
+    /// alternatives each, in a `prompt_logprobs` event before the first
+    /// token.
+    pub prompt_logprobs: bool,
 }
 
 impl Default for SamplingSpec {
@@ -78,6 +83,7 @@ impl Default for SamplingSpec {
             repetition_penalty: 1.0,
             logit_bias: Vec::new(),
             grammar: None,
+            prompt_logprobs: false,
         }
     }
 }
@@ -112,6 +118,14 @@ pub enum FinishReason {
     Length,
 }
 
+/// One prompt token's logprob and its alternatives.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PromptLogprob {
+    pub logprob: f32,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
 /// One line of the generate stream.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "event")]
@@ -128,6 +142,10 @@ pub enum GenerateEvent {
         #[serde(default)]
         cached_tokens: u32,
     },
+    /// The prompt's logprobs (when the spec asks for them): one entry per
+    /// prompt token after the first, in order, each its logprob given the
+    /// tokens before it and the most likely alternatives.
+    PromptLogprobs { entries: Vec<PromptLogprob> },
     /// A generated token.
     Token {
         id: u32,

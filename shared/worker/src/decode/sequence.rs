@@ -4,7 +4,9 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use pdserve_protocol::internal::{ErrorBody, ErrorKind, FinishReason, GenerateEvent, SamplingSpec};
+use pdserve_protocol::internal::{
+    ErrorBody, ErrorKind, FinishReason, GenerateEvent, PromptLogprob, SamplingSpec,
+};
 use pdserve_runtime::metrics::labels;
 use pdserve_text::Sampled;
 use tokio::sync::mpsc;
@@ -102,6 +104,11 @@ impl SeqStream {
     }
 
     /// Ends the sequence with `err`.
+    /// Sends the prompt's logprobs, before the first token.
+    pub fn prompt_logprobs(&self, entries: Vec<PromptLogprob>) {
+        let _ = self.events.send(GenerateEvent::PromptLogprobs { entries });
+    }
+
     pub fn fail(&self, err: ErrorBody, metrics: &DecodeMetrics) {
         tracing::warn!(request_id = %self.request_id, "sequence failed: {err}");
         metrics.finished(labels::STATUS_ERROR, 1);
