@@ -4,6 +4,8 @@
 //! present): once aggregated, and once disaggregated, where the first token
 //! is sampled on the prefill worker and the grammar state must cross to the
 //! decode worker. The checks themselves are in `openai_sdk_structured.py`.
+//! `grammar_migration.py` then kills a constrained stream's decode worker
+//! and checks that the migrated output still matches its schema.
 
 mod common;
 
@@ -60,4 +62,40 @@ async fn structured_outputs_and_tools_work_through_the_openai_sdk_in_both_modes(
     for mode in ["aggregated", "disaggregated"] {
         run_script(&python, &model, mode).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_constrained_stream_survives_its_decode_worker_dying() {
+    let Some(model) = real_model() else {
+        eprintln!("skipped: {REAL_MODEL} is not present (deploy/local/fetch-model.sh)");
+        return;
+    };
+    let Some(python) = python_with("openai") else {
+        eprintln!("skipped: the openai Python package is not installed");
+        return;
+    };
+    let Some(decode) = workspace_binary("pdserve-decode") else {
+        return;
+    };
+    let bin = decode.parent().expect("the binaries' folder").to_path_buf();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/grammar_migration.py");
+    let ports = [free_port(), free_port(), free_port()].map(|p| p.to_string());
+    let run = tokio::process::Command::new(python)
+        .arg(script)
+        .arg(&bin)
+        .arg(&model)
+        .args(&ports)
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(300), run)
+        .await
+        .expect("the script ran for over 5 minutes")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("grammar migration passed"),
+        "{}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
 }
