@@ -100,17 +100,9 @@ async fn the_local_cluster_survives_a_killed_worker_and_stops_on_sigterm() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_python_sdk_works_against_the_real_model() {
-    let Some(model) = real_model() else {
-        eprintln!("skipped: {REAL_MODEL} is not present (deploy/local/fetch-model.sh)");
+    let Some((model, python)) = real_model_sdk("openai") else {
         return;
     };
-    let Some(python) = python_with("openai") else {
-        eprintln!("skipped: the openai Python package is not installed");
-        return;
-    };
-    if !workers_built() {
-        return;
-    }
     let name = "smollm2";
     let router = Router::start(&model, name, &[]);
     router.wait_ready(Duration::from_secs(120)).await;

@@ -14,8 +14,6 @@ use common::process::*;
 use std::path::Path;
 use std::time::Duration;
 
-use pdserve_testkit::{real_model, REAL_MODEL_FILE as REAL_MODEL};
-
 const PASSED: &str = "all structured SDK checks passed";
 
 /// Starts a local cluster in `mode` and runs the script against it.
@@ -46,17 +44,9 @@ async fn run_script(python: &str, model: &Path, mode: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn structured_outputs_and_tools_work_through_the_openai_sdk_in_both_modes() {
-    let Some(model) = real_model() else {
-        eprintln!("skipped: {REAL_MODEL} is not present (deploy/local/fetch-model.sh)");
+    let Some((model, python)) = real_model_sdk("openai, pydantic") else {
         return;
     };
-    let Some(python) = python_with("openai, pydantic") else {
-        eprintln!("skipped: the openai Python package is not installed");
-        return;
-    };
-    if !workers_built() {
-        return;
-    }
     // One mode after the other: two clusters at once would share the CI's
     // two cores.
     for mode in ["aggregated", "disaggregated"] {
@@ -66,12 +56,7 @@ async fn structured_outputs_and_tools_work_through_the_openai_sdk_in_both_modes(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_constrained_stream_survives_its_decode_worker_dying() {
-    let Some(model) = real_model() else {
-        eprintln!("skipped: {REAL_MODEL} is not present (deploy/local/fetch-model.sh)");
-        return;
-    };
-    let Some(python) = python_with("openai") else {
-        eprintln!("skipped: the openai Python package is not installed");
+    let Some((model, python)) = real_model_sdk("openai") else {
         return;
     };
     let Some(decode) = workspace_binary("pdserve-decode") else {

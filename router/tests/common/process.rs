@@ -33,6 +33,22 @@ pub fn python_with(modules: &str) -> Option<String> {
     ok.then_some(python)
 }
 
+/// What the real-model SDK tests need: the model file, a Python that can
+/// `import` each of `modules`, and the worker binaries. None, with a note on
+/// what is missing, when this checkout lacks one (CI has them all).
+pub fn real_model_sdk(modules: &str) -> Option<(std::path::PathBuf, String)> {
+    use pdserve_testkit::{real_model, REAL_MODEL_FILE};
+    let Some(model) = real_model() else {
+        eprintln!("skipped: {REAL_MODEL_FILE} is not present (deploy/local/fetch-model.sh)");
+        return None;
+    };
+    let Some(python) = python_with(modules) else {
+        eprintln!("skipped: the openai Python package is not installed");
+        return None;
+    };
+    workers_built().then_some((model, python))
+}
+
 pub struct Router {
     pub child: Child,
     pub url: String,
