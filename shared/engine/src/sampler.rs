@@ -207,11 +207,6 @@ impl SeqSampler {
             None => Ok(()),
         }
     }
-
-    /// Whether the output is constrained by a grammar.
-    pub fn is_constrained(&self) -> bool {
-        self.constraint.is_some()
-    }
 }
 
 #[cfg(test)]
