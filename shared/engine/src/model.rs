@@ -14,10 +14,13 @@ use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-use crate::attention::{attention, rms_norm, swiglu, Heads, Rope, SeqView};
+use crate::attention::{
+    add_rows, attention, rms_norm, swiglu, Heads, Rope, SeqView, PARALLEL_ROWS,
+};
 use crate::error::{EngineError, Result};
 use crate::kv::{Half, KvConfig, KvLayout, KvPool, SeqKv};
 use crate::profile::{Stage, StageClock};
+use crate::threads::{for_rows, Disjoint};
 use crate::weights::{dequantized, Linear, WeightFormat};
 use pdserve_text::ModelConfig;
 
@@ -403,26 +406,32 @@ impl Model {
             attention(&q, &views, rows, self.heads(), &mut attn)
         });
         let o = c.time(Stage::OutMatmul, || layer.wo.forward(&attn, &self.device))?;
-        c.time(Stage::Elementwise, || {
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b)
-        });
+        c.time(Stage::Elementwise, || add_rows(x, &o, self.cfg.hidden_size));
         Ok(())
     }
 
     /// Splits fused QKV rows into Q, K and V and rotates Q and K.
     fn split_rope(&self, qkv: &[f32], rows: &[(usize, usize)]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let (q_w, kv_w) = (self.cfg.n_heads * self.cfg.head_dim, self.kv_layout().row());
-        let mut q = Vec::with_capacity(rows.len() * q_w);
-        let mut k = Vec::with_capacity(rows.len() * kv_w);
-        let mut v = Vec::with_capacity(rows.len() * kv_w);
-        for (row, &(_, pos)) in qkv.chunks_exact(q_w + 2 * kv_w).zip(rows) {
-            let (q_start, k_start) = (q.len(), k.len());
-            q.extend_from_slice(&row[..q_w]);
-            k.extend_from_slice(&row[q_w..q_w + kv_w]);
-            v.extend_from_slice(&row[q_w + kv_w..]);
-            self.rope.apply(&mut q[q_start..], pos);
-            self.rope.apply(&mut k[k_start..], pos);
-        }
+        let n = rows.len();
+        let (mut q, mut k, mut v) = (
+            vec![0f32; n * q_w],
+            vec![0f32; n * kv_w],
+            vec![0f32; n * kv_w],
+        );
+        let (kd, vd) = (Disjoint::new(&mut k), Disjoint::new(&mut v));
+        for_rows(&mut q, q_w, PARALLEL_ROWS, |r, q_row| {
+            let row = &qkv[r * (q_w + 2 * kv_w)..(r + 1) * (q_w + 2 * kv_w)];
+            // SAFETY: row `r` of K and V is written by this call alone, and
+            // both vectors outlive it.
+            let (k_row, v_row) = unsafe { (kd.rows(r, kv_w), vd.rows(r, kv_w)) };
+            q_row.copy_from_slice(&row[..q_w]);
+            k_row.copy_from_slice(&row[q_w..q_w + kv_w]);
+            v_row.copy_from_slice(&row[q_w + kv_w..]);
+            let pos = rows[r].1;
+            self.rope.apply(q_row, pos);
+            self.rope.apply(k_row, pos);
+        });
         (q, k, v)
     }
 
@@ -436,9 +445,7 @@ impl Model {
         })?;
         let act = c.time(Stage::Elementwise, || swiglu(&gate_up, self.cfg.ffn_size));
         let d = c.time(Stage::DownMatmul, || layer.down.forward(&act, &self.device))?;
-        c.time(Stage::Elementwise, || {
-            x.iter_mut().zip(&d).for_each(|(a, b)| *a += b)
-        });
+        c.time(Stage::Elementwise, || add_rows(x, &d, self.cfg.hidden_size));
         Ok(())
     }
 

@@ -7,7 +7,8 @@ use std::sync::OnceLock;
 
 const W: usize = 16;
 
-fn avx2_fma() -> bool {
+/// Whether the CPU has AVX2 and FMA (checked once).
+pub(crate) fn avx2_fma() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]

@@ -40,3 +40,73 @@ pub fn configure(threads: usize) -> usize {
         .build_global();
     rayon::current_num_threads()
 }
+
+/// A buffer that pool workers fill in disjoint pieces (rows, chunks or
+/// single cells), each piece written by exactly one worker.
+pub(crate) struct Disjoint<T>(*mut T);
+
+impl<T> Clone for Disjoint<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Disjoint<T> {}
+
+// SAFETY: workers write disjoint elements (each user's contract), and the
+// buffer outlives the pool call that shares this pointer.
+unsafe impl<T: Send> Send for Disjoint<T> {}
+unsafe impl<T: Send> Sync for Disjoint<T> {}
+
+impl<T> Disjoint<T> {
+    pub fn new(buf: &mut [T]) -> Self {
+        Self(buf.as_mut_ptr())
+    }
+
+    /// Piece `r` of width `w`: elements `r·w .. (r+1)·w`.
+    ///
+    /// # Safety
+    /// In bounds of the buffer, which is alive, and no other live
+    /// reference to these elements.
+    #[allow(clippy::mut_from_ref)]
+    #[inline(always)]
+    pub unsafe fn rows<'a>(self, r: usize, w: usize) -> &'a mut [T] {
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(r * w), w) }
+    }
+
+    /// Writes element `i`.
+    ///
+    /// # Safety
+    /// As [`Self::rows`], for the one element.
+    #[inline(always)]
+    pub unsafe fn put(self, i: usize, v: T) {
+        unsafe { *self.0.add(i) = v };
+    }
+}
+
+/// Calls `f` on ranges covering `0..n`: on candle's pool (the threads the
+/// matmuls use) when `n >= min_parallel`, else inline on this thread.
+pub(crate) fn for_ranges(n: usize, min_parallel: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    match n >= min_parallel.max(2) {
+        true => candle_core::utils::barrier_pool().execute_chunked(n, f),
+        false => f(0..n),
+    }
+}
+
+/// Calls `f(row, out_row)` for each `w`-wide row of `out`, the rows shared
+/// out as [`for_ranges`] does.
+pub(crate) fn for_rows<T: Send>(
+    out: &mut [T],
+    w: usize,
+    min_parallel: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    let n = out.len() / w;
+    let buf = Disjoint::new(out);
+    for_ranges(n, min_parallel, |range| {
+        for r in range {
+            // SAFETY: row `r` lies inside `out`, which outlives the call, and
+            // each row index is handed to exactly one range.
+            f(r, unsafe { buf.rows(r, w) });
+        }
+    });
+}

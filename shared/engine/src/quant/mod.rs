@@ -248,7 +248,7 @@ impl QMatrix {
         let n = x.len() / self.cols;
         let act = QAct::quantize(x, self.cols);
         let mut y = vec![0f32; n * self.rows];
-        let out = SharedOut(y.as_mut_ptr());
+        let out = SharedOut::new(&mut y);
         let tasks = self.rows.div_ceil(ROWS_PER_TASK);
         let run = |range: std::ops::Range<usize>| {
             for task in range {
@@ -259,10 +259,8 @@ impl QMatrix {
                 unsafe { self.run_task(kernel, &act, o0..o1, n, out) };
             }
         };
-        match tasks * n < 2 * ROWS_PER_TASK {
-            true => run(0..tasks),
-            false => candle_core::utils::barrier_pool().execute_chunked(tasks, run),
-        }
+        // Under 32 task-rows of work is not worth waking the pool.
+        crate::threads::for_ranges(tasks, (2 * ROWS_PER_TASK).div_ceil(n.max(1)), run);
         y
     }
 
@@ -312,22 +310,8 @@ impl Tile<'_> {
     }
 }
 
-/// The output pointer that tasks write disjoint columns of.
-#[derive(Clone, Copy)]
-pub(crate) struct SharedOut(*mut f32);
-
-impl SharedOut {
-    /// Writes `y[row, col]` of a `[_, width]` output.
-    ///
-    /// # Safety
-    /// The cell must be inside the output and written by no one else.
-    pub unsafe fn put(self, row: usize, col: usize, width: usize, v: f32) {
-        unsafe { *self.0.add(row * width + col) = v };
-    }
-}
-// SAFETY: writers touch disjoint elements (see `QMatrix::matmul_with`).
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
+/// The output that tasks write disjoint columns of.
+pub(crate) type SharedOut = crate::threads::Disjoint<f32>;
 
 /// The fixed reduction of 8 lanes: `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`,
 /// the order a 256-bit register folds in.

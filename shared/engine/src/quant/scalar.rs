@@ -13,7 +13,7 @@ pub(crate) unsafe fn run_tile(t: &Tile<'_>, out: SharedOut) {
         for o in t.outs.clone() {
             let y = dot(t.w.kind(), t.w.row(o), x, t.blocks());
             // SAFETY: the caller's contract.
-            unsafe { out.put(i, o, t.w.rows(), y) };
+            unsafe { out.put(i * t.w.rows() + o, y) };
         }
     }
 }

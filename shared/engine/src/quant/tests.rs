@@ -210,3 +210,19 @@ fn quant_bandwidth() {
         }
     }
 }
+
+#[test]
+fn activations_quantize_to_the_same_bits_on_every_path() {
+    let mut rng = Rng(11);
+    for cols in [64, 576, 1536] {
+        let mut x = random_x(1, cols, &mut rng);
+        // Values on rounding ties, a zero block, and the largest magnitudes.
+        x[..QK].fill(0.0);
+        x[QK] = 127.0;
+        x[QK + 1] = 0.5;
+        x[QK + 2] = -2.5;
+        x[QK + 3] = -127.0;
+        let [simd, portable] = super::act::quantize_both(&x);
+        assert_eq!(simd, portable, "{cols} columns");
+    }
+}

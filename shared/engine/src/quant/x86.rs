@@ -51,23 +51,25 @@ pub(crate) unsafe fn run_tile_avx512(t: &Tile<'_>, out: SharedOut) {
     }
 }
 
-/// A kernel over weight rows `o..o + OB` and the tile's rows.
-type Block = unsafe fn(&Tile<'_>, usize, SharedOut);
+/// A kernel over weight rows `o..o + OB` and the tile's `R` activation rows.
+type Block<const R: usize> = unsafe fn(&Tile<'_>, &[ActRow<'_>; R], usize, SharedOut);
 
 /// Walks the tile's outputs `ob` at a time with `wide`, the rest with `one`.
 unsafe fn by_outputs<const R: usize>(
     t: &Tile<'_>,
     out: SharedOut,
     ob: usize,
-    wide: Block,
-    one: Block,
+    wide: Block<R>,
+    one: Block<R>,
 ) {
+    // The activation rows' slices, found once for all the tile's outputs.
+    let rows: [ActRow<'_>; R] = std::array::from_fn(|i| t.act.row(t.rows.start + i));
     let split = t.outs.start + t.outs.len() / ob * ob;
     for o in (t.outs.start..split).step_by(ob) {
-        unsafe { wide(t, o, out) };
+        unsafe { wide(t, &rows, o, out) };
     }
     for o in split..t.outs.end {
-        unsafe { one(t, o, out) };
+        unsafe { one(t, &rows, o, out) };
     }
 }
 
@@ -134,7 +136,7 @@ unsafe fn finish<const R: usize>(
             Some(m) => _mm256_add_ps(folded[i], m[i]),
             None => folded[i],
         };
-        out.put(t.rows.start + i, o, t.w.rows(), hsum8(lanes));
+        out.put((t.rows.start + i) * t.w.rows() + o, hsum8(lanes));
     }
 }
 
@@ -208,8 +210,12 @@ unsafe fn pair_step(
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2<const OB: usize, const R: usize>(t: &Tile<'_>, o0: usize, out: SharedOut) {
-    let rows: [ActRow<'_>; R] = std::array::from_fn(|i| t.act.row(t.rows.start + i));
+unsafe fn avx2<const OB: usize, const R: usize>(
+    t: &Tile<'_>,
+    rows: &[ActRow<'_>; R],
+    o0: usize,
+    out: SharedOut,
+) {
     let ws: [WRow<'_>; OB] = std::array::from_fn(|j| t.w.row(o0 + j));
     let (kind, nb) = (t.w.kind(), t.blocks());
     let quads = nb / QUAD;
@@ -235,7 +241,7 @@ unsafe fn avx2<const OB: usize, const R: usize>(t: &Tile<'_>, o0: usize, out: Sh
     let [first, second] = &acc;
     for (j, (a, b)) in first.iter().zip(second).enumerate() {
         let folded = std::array::from_fn(|i| _mm256_add_ps(a[i], b[i]));
-        finish(t, o0 + j, &rows, folded, out);
+        finish(t, o0 + j, rows, folded, out);
     }
 }
 
@@ -278,8 +284,12 @@ unsafe fn quad512(kind: BlockKind, w: WRow<'_>, q: usize) -> Quad512 {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn avx512<const OB: usize, const R: usize>(t: &Tile<'_>, o0: usize, out: SharedOut) {
-    let rows: [ActRow<'_>; R] = std::array::from_fn(|i| t.act.row(t.rows.start + i));
+unsafe fn avx512<const OB: usize, const R: usize>(
+    t: &Tile<'_>,
+    rows: &[ActRow<'_>; R],
+    o0: usize,
+    out: SharedOut,
+) {
     let ws: [WRow<'_>; OB] = std::array::from_fn(|j| t.w.row(o0 + j));
     let (kind, nb) = (t.w.kind(), t.blocks());
     let quads = nb / QUAD;
@@ -323,6 +333,6 @@ unsafe fn avx512<const OB: usize, const R: usize>(t: &Tile<'_>, o0: usize, out: 
             let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j][i]), 1));
             _mm256_add_ps(lo[i], hi)
         });
-        finish(t, o0 + j, &rows, folded, out);
+        finish(t, o0 + j, rows, folded, out);
     }
 }

@@ -4,6 +4,10 @@
 //! sequences of different lengths batch without padding.
 
 use crate::simd;
+use crate::threads::{for_ranges, for_rows, Disjoint};
+
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 /// Shape of the attention heads.
 #[derive(Debug, Clone, Copy)]
@@ -98,32 +102,17 @@ pub(crate) fn attention(
         items * width,
         "attention output has the wrong size"
     );
-    let out_ptr = SharedOut(out.as_mut_ptr());
-    candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+    let out = Disjoint::new(out);
+    for_ranges(items, 1, |range| {
         let mut scores = Vec::new();
         for item in range {
             // SAFETY: each item writes only its own `width`-wide chunk of `out`,
-            // items are distinct, and `out` outlives this call (execute_chunked
+            // items are distinct, and `out` outlives this call (the pool call
             // returns only after every worker is done).
-            let chunk = unsafe { std::slice::from_raw_parts_mut(out_ptr.at(item * width), width) };
+            let chunk = unsafe { out.rows(item, width) };
             attend_one(q, seqs, row_seq, heads, item, &mut scores, chunk);
         }
     });
-}
-
-/// A pointer to the output that worker threads write disjoint chunks of.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: writers touch disjoint ranges (see `attention`).
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// # Safety
-    /// `offset` must be within the output the pointer was made from.
-    unsafe fn at(self, offset: usize) -> *mut f32 {
-        unsafe { self.0.add(offset) }
-    }
 }
 
 /// The query heads of one KV head for one row, against that sequence's KV.
@@ -148,6 +137,23 @@ fn attend_one(
     let head = kvh * hd;
     scores.clear();
     scores.resize(group * ctx, 0.0);
+    #[cfg(target_arch = "x86_64")]
+    if simd::avx2_fma() && hd.is_multiple_of(8) {
+        let at = x86::HeadRows {
+            stride: kv_row,
+            offset: head,
+            hd,
+        };
+        // SAFETY: AVX2 and FMA are present, `hd` is a multiple of 8, and the
+        // view's blocks hold the sequence's rows up to `pos` (the KV cache's
+        // layout: `block_tokens` rows of `kv_row` floats per block).
+        unsafe {
+            x86::scores(q, view, at, ctx, scale, scores);
+            softmax_rows(scores, group, ctx);
+            x86::values(scores, view, at, ctx, out);
+        }
+        return;
+    }
     let b = view.block_tokens;
     for (i, block) in view.k.iter().enumerate().take(ctx.div_ceil(b)) {
         let t0 = i * b;
@@ -158,11 +164,7 @@ fn attend_one(
             }
         }
     }
-    for g in 0..group {
-        let s = &mut scores[g * ctx..(g + 1) * ctx];
-        let total = simd::exp_shifted(s, simd::max(s));
-        s.iter_mut().for_each(|p| *p /= total);
-    }
+    softmax_rows(scores, group, ctx);
     out.fill(0.0);
     for (i, block) in view.v.iter().enumerate().take(ctx.div_ceil(b)) {
         let t0 = i * b;
@@ -175,29 +177,52 @@ fn attend_one(
     }
 }
 
+/// Softmax of each of `group` rows of `ctx` scores, in place.
+fn softmax_rows(scores: &mut [f32], group: usize, ctx: usize) {
+    for s in scores.chunks_exact_mut(ctx).take(group) {
+        let total = simd::exp_shifted(s, simd::max(s));
+        s.iter_mut().for_each(|p| *p /= total);
+    }
+}
+
+/// Rows at which the element-wise stages go to the pool: below it, waking
+/// the other threads costs more than it saves.
+pub(crate) const PARALLEL_ROWS: usize = 16;
+
 /// RMS normalisation of each `dim`-wide row of `x`, scaled by `weight`.
 pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f64) -> Vec<f32> {
     let dim = weight.len();
     let mut out = vec![0f32; x.len()];
-    for (src, dst) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+    for_rows(&mut out, dim, PARALLEL_ROWS, |r, dst| {
+        let src = &x[r * dim..(r + 1) * dim];
         let ms = simd::dot(src, src) / dim as f32;
         let inv = 1.0 / (ms + eps as f32).sqrt();
         for ((d, s), w) in dst.iter_mut().zip(src).zip(weight) {
             *d = s * inv * w;
         }
-    }
+    });
     out
 }
 
 /// `silu(gate) * up` for rows laid out as `[gate(ffn) | up(ffn)]`.
 pub(crate) fn swiglu(gate_up: &[f32], ffn: usize) -> Vec<f32> {
-    let rows = gate_up.len() / (2 * ffn);
-    let mut out = Vec::with_capacity(rows * ffn);
-    for row in gate_up.chunks_exact(2 * ffn) {
-        let (gate, up) = row.split_at(ffn);
-        out.extend(gate.iter().zip(up).map(|(g, u)| g / (1.0 + (-g).exp()) * u));
-    }
+    let mut out = vec![0f32; gate_up.len() / 2];
+    for_rows(&mut out, ffn, PARALLEL_ROWS, |r, dst| {
+        let (gate, up) = gate_up[2 * r * ffn..2 * (r + 1) * ffn].split_at(ffn);
+        for ((d, g), u) in dst.iter_mut().zip(gate).zip(up) {
+            *d = g / (1.0 + simd::exp(-g)) * u;
+        }
+    });
     out
+}
+
+/// `x += y`, row by row (`dim` wide).
+pub(crate) fn add_rows(x: &mut [f32], y: &[f32], dim: usize) {
+    for_rows(x, dim, PARALLEL_ROWS, |r, row| {
+        row.iter_mut()
+            .zip(&y[r * dim..(r + 1) * dim])
+            .for_each(|(a, b)| *a += b)
+    });
 }
 
 #[cfg(test)]
@@ -254,36 +279,89 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn batched_attention_matches_naive_per_sequence() {
-        let h = Heads {
-            n_heads: 6,
-            n_kv_heads: 2,
-            head_dim: 20,
-        };
+    /// Three sequences of `lens` tokens, their KV cut into blocks of
+    /// `block_tokens`, and query rows at the given (sequence, position)s:
+    /// returns the attention output and the naive reference.
+    fn run_case(
+        h: Heads,
+        lens: &[usize],
+        row_seq: &[(usize, usize)],
+        block_tokens: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
         let kv_row = h.n_kv_heads * h.head_dim;
-        let lens = [1usize, 7, 3];
         let ks: Vec<Vec<f32>> = lens.iter().map(|&n| values(n * kv_row, n as u32)).collect();
         let vs: Vec<Vec<f32>> = lens
             .iter()
             .map(|&n| values(n * kv_row, 99 + n as u32))
             .collect();
-        // Rows: the last token of seq 0, the last three of seq 1, one of seq 2 at pos 1.
-        let row_seq = vec![(0, 0), (1, 4), (1, 5), (1, 6), (2, 1)];
-        let q = values(row_seq.len() * h.n_heads * h.head_dim, 7);
+        let w = h.n_heads * h.head_dim;
+        // Each row's query depends only on its (sequence, position).
+        let q: Vec<f32> = row_seq
+            .iter()
+            .flat_map(|&(s, pos)| values(w, 7 + 100 * s as u32 + pos as u32))
+            .collect();
         let seqs: Vec<SeqView> = ks
             .iter()
             .zip(&vs)
-            .map(|(k, v)| paged(k, v, kv_row, 2))
+            .map(|(k, v)| paged(k, v, kv_row, block_tokens))
             .collect();
         let mut out = vec![0f32; q.len()];
-        attention(&q, &seqs, &row_seq, h, &mut out);
-        let w = h.n_heads * h.head_dim;
-        for (r, &(s, pos)) in row_seq.iter().enumerate() {
-            let want = naive(&q[r * w..(r + 1) * w], &ks[s], &vs[s], pos, h);
-            for (a, b) in out[r * w..(r + 1) * w].iter().zip(&want) {
-                assert!((a - b).abs() < 1e-5, "row {r}: {a} vs {b}");
+        attention(&q, &seqs, row_seq, h, &mut out);
+        let want = row_seq
+            .iter()
+            .enumerate()
+            .flat_map(|(r, &(s, pos))| naive(&q[r * w..(r + 1) * w], &ks[s], &vs[s], pos, h))
+            .collect();
+        (out, want)
+    }
+
+    fn assert_close(got: &[f32], want: &[f32]) {
+        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!((a - b).abs() < 1e-5, "element {i}: {a} vs {b}");
+        }
+    }
+
+    /// Head widths that take the portable path (20), and the SIMD path with
+    /// wide chunks only (64) and with a narrow one (40); groups of 3 (a pair
+    /// of heads and one alone) and 2.
+    #[test]
+    fn batched_attention_matches_naive_per_sequence() {
+        for (n_heads, n_kv_heads, head_dim) in [(6, 2, 20), (9, 3, 64), (4, 2, 40), (3, 1, 8)] {
+            let h = Heads {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+            };
+            // The last token of seq 0, the last three of seq 1, one of seq 2
+            // at pos 1, and seq 3's last (more than 8 keys in a block).
+            let rows = [(0, 0), (1, 4), (1, 5), (1, 6), (2, 1), (3, 40)];
+            for block_tokens in [2, 16] {
+                let (got, want) = run_case(h, &[1, 7, 3, 41], &rows, block_tokens);
+                assert_close(&got, &want);
             }
+        }
+    }
+
+    /// A row's output is the same bits however the KV is cut into blocks and
+    /// whatever else is in the batch (what makes chunked prefill equal
+    /// one-shot, and disaggregated equal aggregated).
+    #[test]
+    fn attention_bits_do_not_depend_on_blocks_or_batch() {
+        let h = Heads {
+            n_heads: 9,
+            n_kv_heads: 3,
+            head_dim: 64,
+        };
+        let lens = [1, 7, 3, 41];
+        let all = [(0, 0), (1, 4), (1, 5), (1, 6), (2, 1), (3, 40), (3, 17)];
+        let w = h.n_heads * h.head_dim;
+        let (base, _) = run_case(h, &lens, &all, 16);
+        for block_tokens in [1, 3, 8, 9, 32, 64] {
+            assert_eq!(run_case(h, &lens, &all, block_tokens).0, base);
+        }
+        for (r, &row) in all.iter().enumerate() {
+            let (alone, _) = run_case(h, &lens, &[row], 5);
+            assert_eq!(alone, base[r * w..(r + 1) * w], "row {r}");
         }
     }
 
