@@ -438,15 +438,30 @@ def repeats(text):
 plain = run(temperature=0)
 assert most_common_word(plain) >= 10, plain
 plains = [run(m, temperature=0) for m in REPEATS]
+def left_at_a_repeat(text, base):
+    """Where a penalised greedy output first leaves the plain one, the plain
+    one's word had already been generated (presence and frequency penalties
+    touch only generated tokens, so nothing else can have moved the argmax)."""
+    wt, wb = re.findall(r"\w+", text.lower()), re.findall(r"\w+", base.lower())
+    i = next((k for k in range(min(len(wt), len(wb))) if wt[k] != wb[k]), None)
+    return i is None or wb[i] in wb[:i]
+
+
 for kw in [{"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"extra_body": {"repetition_penalty": 1.5}}]:
-    changed = 0
+    changed = []
     for messages, base in zip(REPEATS, plains):
         text = run(messages, temperature=0, **kw)
         if text != base:
-            assert repeats(text) < repeats(base), (kw, text, base)
-            changed += 1
+            changed.append((repeats(text), repeats(base), text, base))
     assert changed, (kw, "changed no output")
-    print("h.", kw, "->", repr(text))
+    if "extra_body" not in kw:
+        assert all(left_at_a_repeat(c[2], c[3]) for c in changed), (kw, changed)
+    # A flat presence penalty need not lower the count of repeated words (the
+    # model may still prefer a word it has used, by more than the penalty);
+    # penalties that grow with the count must.
+    if "presence_penalty" not in kw:
+        assert sum(c[0] for c in changed) < sum(c[1] for c in changed), (kw, changed)
+    print("h.", kw, "->", [(c[0], c[1], c[2][:60]) for c in changed])
 
 # top_k=1 and min_p=1 keep only the most likely token: greedy at any temperature.
 assert run(temperature=1.0, seed=5, extra_body={"top_k": 1}) == plain
@@ -474,8 +489,11 @@ def default_answer(seed):
     return r.choices[0].message.content
 
 
-answers = list(pool.map(default_answer, range(1, 6)))
-assert all("Paris" in a for a in answers), answers
+# The 135M model is undecided on this question (docs/sampling.md): which
+# seeds go astray moves with any change in the order of a float sum, the
+# share does not. Measured: 18 of seeds 1-20; 16 leaves room for that.
+answers = list(pool.map(default_answer, range(1, 21)))
+assert sum("Paris" in a for a in answers) >= 16, answers
 # A request that sets its own temperature gets no built-in repetition
 # penalty: greedy restates the question, which a penalty would forbid.
 status, body = post("/v1/chat/completions", {
@@ -483,7 +501,7 @@ status, body = post("/v1/chat/completions", {
     "temperature": 0, "max_tokens": 12,
 })
 assert status == 200 and "Paris" in body["choices"][0]["message"]["content"], body
-print("i. defaults, seeds 1..5:", answers)
+print("i. defaults, seeds 1..20:", sum("Paris" in a for a in answers), "name Paris;", answers[:3])
 
 # --- j. completions: echo with prompt logprobs ---------------------------------
 
