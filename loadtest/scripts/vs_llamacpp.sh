@@ -67,15 +67,25 @@ PY
 }
 
 if [[ -n "${LLAMA_CPP_BIN:-}" ]]; then LBIN="$LLAMA_CPP_BIN"; else build_llama; LBIN="$CACHE/bin"; fi
+
+# On a CPU with AMX, llama.cpp's native build puts Q4_1 weights in its AMX
+# buffers, and that path crashed (SIGSEGV in ggml_backend_amx_mul_mat) on
+# this model. Without repacking, llama.cpp runs its AVX-512 kernels, as on a
+# CPU without AMX. LLAMA_AMX=1 keeps its default.
+BENCH_X=() TOOL_X=()
+if grep -qw amx_int8 /proc/cpuinfo && [[ "${LLAMA_AMX:-0}" != 1 ]]; then
+    BENCH_X=(--repack 0) TOOL_X=(--no-repack)
+    echo "AMX present: llama.cpp runs without repacking (its AMX path crashes on this model)" >&2
+fi
 cargo build --release -p pdserve-loadtest -p pdserve-router -p pdserve-prefill \
     -p pdserve-decode --manifest-path "$ROOT/Cargo.toml" >&2
 PBIN="$ROOT/target/release"
 
 for round in $(seq 1 "$ROUNDS"); do
     echo "round $round/$ROUNDS: llama.cpp" >&2
-    "$LBIN/llama-bench" -m "$MODEL" -t "$THREADS" -p 512 -n 128 -r 3 -o json \
+    "$LBIN/llama-bench" -m "$MODEL" -t "$THREADS" -p 512 -n 128 -r 3 -o json "${BENCH_X[@]}" \
         >"$OUT/llama-bench-$round.json" 2>/dev/null
-    "$LBIN/llama-batched-bench" -m "$MODEL" -t "$THREADS" -c 8192 -npp 128 -ntg 32 -npl 16 \
+    "$LBIN/llama-batched-bench" -m "$MODEL" -t "$THREADS" -c 8192 -npp 128 -ntg 32 -npl 16 "${TOOL_X[@]}" \
         --output-format jsonl 2>/dev/null | grep '^{' >"$OUT/llama-batched-$round.jsonl"
     echo "round $round/$ROUNDS: pdserve" >&2
     "$PBIN/pdserve-loadtest" engine --model "$MODEL" --weights native --threads "$THREADS" \
@@ -85,7 +95,7 @@ done
 
 if [[ "$SERVED" == 1 ]]; then
     echo "served: llama-server -np 16 and deploy/local/up.sh" >&2
-    "$LBIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port 8002 -np 16 -c 32768 -t "$THREADS" \
+    "$LBIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port 8002 -np 16 -c 32768 -t "$THREADS" "${TOOL_X[@]}" \
         >"$OUT/llama-server.log" 2>&1 &
     pids+=($!)
     PDSERVE_PORT=8000 "$ROOT/deploy/local/up.sh" >"$OUT/pdserve.log" 2>&1 &
