@@ -51,7 +51,7 @@ for _ in $(seq 1 240); do
 pdserve is ready at http://127.0.0.1:$PORT/v1  (model: $NAME)
 
   curl http://127.0.0.1:$PORT/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{"model": "$NAME", "temperature": 0.2, "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+    -d '{"model": "$NAME", "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
 
 Ctrl-C stops the router and its workers.
 MSG
