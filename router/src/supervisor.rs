@@ -176,6 +176,23 @@ impl Supervisor {
         }
     }
 
+    /// How many more workers can start on cores of their own: unbounded for
+    /// mock workers and when pinning is off, else the core slots that no
+    /// live worker (running or draining) holds. A worker started beyond
+    /// that would share the others' cores and slow them all (docs/router.md).
+    pub fn spare_slots(&self) -> usize {
+        let c = &self.cfg;
+        if c.engine != LocalEngine::Real || !c.pin {
+            return usize::MAX;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut slots = self.slots();
+        slots.free_core_slot();
+        let held = slots.running.iter().map(|s| s.core_slot);
+        let held: Vec<usize> = held.chain(slots.draining.iter().map(|d| d.0)).collect();
+        spare(&held, c.threads, cores)
+    }
+
     /// Local workers per pool (draining ones excluded).
     pub fn count(&self, pool: Pool) -> usize {
         self.slots()
@@ -321,6 +338,14 @@ fn lowest_free(held: &[usize]) -> usize {
     (0..).find(|k| !held.contains(k)).unwrap_or(0)
 }
 
+/// Core slots of `threads` cores on a machine of `cores` that none of `held` takes.
+fn spare(held: &[usize], threads: usize, cores: usize) -> usize {
+    let total = (0..)
+        .take_while(|&k| cores_of(k, threads, cores).is_some())
+        .count();
+    (0..total).filter(|k| !held.contains(k)).count()
+}
+
 /// The cores of core slot `slot` for workers of `threads` threads, when
 /// they fit on a machine of `cores`; none (no pinning) when they do not.
 fn cores_of(slot: usize, threads: usize, cores: usize) -> Option<std::ops::Range<usize>> {
@@ -358,6 +383,17 @@ mod tests {
         // Worker 0 drained and exited: the next one reuses its cores.
         assert_eq!(lowest_free(&[1, 2]), 0);
         assert_eq!(lowest_free(&[0, 2]), 1);
+    }
+
+    #[test]
+    fn spare_slots_count_the_core_slots_no_live_worker_holds() {
+        // 2 cores, 1 thread each: a prefill and a decode worker leave no room.
+        assert_eq!(spare(&[0, 1], 1, 2), 0);
+        assert_eq!(spare(&[0], 1, 2), 1);
+        // 8 cores, 2 threads each: 4 slots; an unpinned slot (5) takes none.
+        assert_eq!(spare(&[0, 1, 5], 2, 8), 2);
+        assert_eq!(spare(&[], 3, 8), 2);
+        assert_eq!(spare(&[], 0, 8), 0);
     }
 
     #[test]

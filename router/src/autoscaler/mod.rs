@@ -177,6 +177,10 @@ pub trait Executor: Send + Sync {
     fn current(&self, pool: Pool) -> usize;
     /// Moves `pool` towards `desired` replicas; scale-down drains.
     fn scale(&self, pool: Pool, desired: usize);
+    /// The most replicas `pool` can have now, the other pool's as they are.
+    fn ceiling(&self, _pool: Pool) -> usize {
+        usize::MAX
+    }
 }
 
 /// Local worker processes, through the supervisor.
@@ -185,6 +189,12 @@ pub struct LocalExecutor(pub Arc<Supervisor>);
 impl Executor for LocalExecutor {
     fn current(&self, pool: Pool) -> usize {
         self.0.count(pool)
+    }
+
+    /// Only as many workers as have cores of their own
+    /// ([`Supervisor::spare_slots`]).
+    fn ceiling(&self, pool: Pool) -> usize {
+        self.0.count(pool).saturating_add(self.0.spare_slots())
     }
 
     fn scale(&self, pool: Pool, desired: usize) {
@@ -214,6 +224,30 @@ impl Executor for ExportOnly {
     fn scale(&self, _pool: Pool, _desired: usize) {}
 }
 
+/// Moves `pool` to `desired` replicas, or as near as the executor's ceiling
+/// allows; `held` remembers whether the pool is held below its desire, so
+/// the warning comes once per episode, not every tick.
+fn apply(executor: &dyn Executor, pool: Pool, desired: usize, signal: f64, held: &mut bool) {
+    let current = executor.current(pool);
+    let ceiling = executor.ceiling(pool).max(current);
+    if desired > ceiling && !*held {
+        tracing::warn!(
+            ?pool,
+            current,
+            desired,
+            ceiling,
+            "autoscaling held: no free cores for another local worker \
+             (lower --worker-threads to leave room)"
+        );
+    }
+    *held = desired > ceiling;
+    let desired = desired.min(ceiling);
+    if desired != current {
+        tracing::info!(?pool, current, desired, signal, "autoscaling");
+        executor.scale(pool, desired);
+    }
+}
+
 /// Runs the decision loop until `stop`.
 pub fn spawn(
     registry: Arc<Registry>,
@@ -225,6 +259,9 @@ pub fn spawn(
     tokio::spawn(async move {
         let origin = Instant::now();
         let mut policies = [Policy::default(), Policy::default()];
+        // Whether each pool is held below its desired size for want of
+        // cores (logged once per episode, not every tick).
+        let mut held = [false, false];
         let configs = [args.policy(Pool::Prefill), args.policy(Pool::Decode)];
         let mut tick =
             tokio::time::interval(Duration::from_millis(args.autoscaler_interval_ms.max(10)));
@@ -256,11 +293,56 @@ pub fn spawn(
                     .desired_replicas
                     .with_label_values(&[pool_label(pool)])
                     .set(desired as i64);
-                if desired != current {
-                    tracing::info!(?pool, current, desired, signal, "autoscaling");
-                    executor.scale(pool, desired);
-                }
+                apply(executor.as_ref(), pool, desired, signal, &mut held[i]);
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// Replicas in memory, and a fixed room for more.
+    struct Fake {
+        replicas: Mutex<[usize; 2]>,
+        spare: usize,
+    }
+
+    impl Executor for Fake {
+        fn current(&self, pool: Pool) -> usize {
+            self.replicas.lock().unwrap()[pool as usize]
+        }
+        fn scale(&self, pool: Pool, desired: usize) {
+            self.replicas.lock().unwrap()[pool as usize] = desired;
+        }
+        fn ceiling(&self, pool: Pool) -> usize {
+            self.current(pool) + self.spare
+        }
+    }
+
+    #[test]
+    fn a_pool_grows_only_as_far_as_the_executor_has_room() {
+        let fake = Fake {
+            replicas: Mutex::new([1, 1]),
+            spare: 0,
+        };
+        let mut held = false;
+        apply(&fake, Pool::Prefill, 2, 5.0, &mut held);
+        assert_eq!(fake.current(Pool::Prefill), 1);
+        assert!(held);
+        // Scaling down is never held.
+        apply(&fake, Pool::Decode, 0, 0.0, &mut held);
+        assert_eq!(fake.current(Pool::Decode), 0);
+        assert!(!held);
+        let roomy = Fake {
+            replicas: Mutex::new([1, 1]),
+            spare: 1,
+        };
+        let mut held = false;
+        apply(&roomy, Pool::Prefill, 3, 5.0, &mut held);
+        assert_eq!(roomy.current(Pool::Prefill), 2);
+        assert!(held);
+    }
 }
