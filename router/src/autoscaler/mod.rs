@@ -322,24 +322,26 @@ mod tests {
         }
     }
 
+    /// One replica in each pool, and room for `spare` more.
+    fn fake(spare: usize) -> Fake {
+        Fake {
+            replicas: Mutex::new([1, 1]),
+            spare,
+        }
+    }
+
     #[test]
     fn a_pool_grows_only_as_far_as_the_executor_has_room() {
-        let fake = Fake {
-            replicas: Mutex::new([1, 1]),
-            spare: 0,
-        };
+        let tight = fake(0);
         let mut held = false;
-        apply(&fake, Pool::Prefill, 2, 5.0, &mut held);
-        assert_eq!(fake.current(Pool::Prefill), 1);
+        apply(&tight, Pool::Prefill, 2, 5.0, &mut held);
+        assert_eq!(tight.current(Pool::Prefill), 1);
         assert!(held);
         // Scaling down is never held.
-        apply(&fake, Pool::Decode, 0, 0.0, &mut held);
-        assert_eq!(fake.current(Pool::Decode), 0);
+        apply(&tight, Pool::Decode, 0, 0.0, &mut held);
+        assert_eq!(tight.current(Pool::Decode), 0);
         assert!(!held);
-        let roomy = Fake {
-            replicas: Mutex::new([1, 1]),
-            spare: 1,
-        };
+        let roomy = fake(1);
         let mut held = false;
         apply(&roomy, Pool::Prefill, 3, 5.0, &mut held);
         assert_eq!(roomy.current(Pool::Prefill), 2);
