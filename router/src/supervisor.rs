@@ -124,16 +124,17 @@ struct Slots {
 }
 
 impl Slots {
-    /// The lowest core slot that no live worker (running or draining) holds.
-    fn free_core_slot(&mut self) -> usize {
+    /// The core slots live workers (running or draining) hold; forgets
+    /// draining workers that have exited.
+    fn held(&mut self) -> Vec<usize> {
         self.draining.retain(|(_, t)| !t.is_finished());
-        let held: Vec<usize> = self
-            .running
-            .iter()
-            .map(|s| s.core_slot)
-            .chain(self.draining.iter().map(|d| d.0))
-            .collect();
-        lowest_free(&held)
+        let running = self.running.iter().map(|s| s.core_slot);
+        running.chain(self.draining.iter().map(|d| d.0)).collect()
+    }
+
+    /// The lowest core slot that no live worker holds.
+    fn free_core_slot(&mut self) -> usize {
+        lowest_free(&self.held())
     }
 }
 
@@ -186,11 +187,7 @@ impl Supervisor {
             return usize::MAX;
         }
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let mut slots = self.slots();
-        slots.free_core_slot();
-        let held = slots.running.iter().map(|s| s.core_slot);
-        let held: Vec<usize> = held.chain(slots.draining.iter().map(|d| d.0)).collect();
-        spare(&held, c.threads, cores)
+        spare(&self.slots().held(), c.threads, cores)
     }
 
     /// Local workers per pool (draining ones excluded).
