@@ -334,8 +334,12 @@ impl Scheduler {
 
     fn record_step(&self, n: usize, kv_tokens: usize, secs: f64) {
         self.metrics.step(n, secs);
-        let bytes =
-            self.model.weight_bytes() + kv_tokens * self.model.kv_layout().bytes_per_token();
+        let bytes = self.model.weight_bytes()
+            + kv_tokens
+                * self
+                    .model
+                    .kv_layout()
+                    .bytes_per_token(self.pool.config().dtype);
         self.metrics
             .mbu
             .set(bytes as f64 / secs.max(1e-9) / self.cfg.peak_bytes_per_second.max(1.0));

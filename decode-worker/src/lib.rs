@@ -30,15 +30,17 @@ pub fn build(
 ) -> Arc<DecodeServer<RealDecode>> {
     let metrics = Arc::new(DecodeMetrics::new());
     let limits = &args.decode;
+    let dtype = limits.kv.kv_cache_dtype.into();
     let budget_tokens = budget_tokens(
         limits.kv_cache_tokens,
         limits.kv_cache_bytes,
-        model.kv_layout().bytes_per_token(),
+        model.kv_layout().bytes_per_token(dtype),
     );
     let pool = model.kv_pool(
         budget_tokens,
         limits.kv.kv_block_tokens,
         limits.kv.prefix_cache.is_on(),
+        dtype,
     );
     let cfg = EngineConfig {
         limits: limits.clone(),

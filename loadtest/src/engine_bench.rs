@@ -9,7 +9,8 @@ use anyhow::{Context, Result};
 use clap::Args;
 use pdserve_engine::profile::StageClock;
 use pdserve_engine::quant::{set_kernel, KernelChoice};
-use pdserve_engine::{KvPool, LoadOptions, Model, SeqKv, WeightFormat};
+use pdserve_engine::{KvPool, LoadOptions, Model, SeqKv, WeightFormat, DEFAULT_BLOCK_TOKENS};
+use pdserve_protocol::kvwire::KvDtype;
 use serde::Serialize;
 
 #[derive(Args, Debug)]
@@ -49,6 +50,9 @@ pub struct EngineArgs {
     /// Write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Element type of the KV cache (f16 or f32), as the workers' --kv-cache-dtype.
+    #[arg(long, env = "PDSERVE_KV_CACHE_DTYPE", default_value = "f16")]
+    kv_cache_dtype: KvDtype,
     /// Kernel path for `native` weights (auto, avx512vnni, avx2, scalar).
     #[arg(long, env = "PDSERVE_KERNEL", default_value = "auto")]
     kernel: KernelChoice,
@@ -132,7 +136,12 @@ fn bench_model(model: &Model, args: &EngineArgs, threads: usize) -> Result<Engin
     let longest = args.prefill_lens.iter().max().copied().unwrap_or(0);
     let biggest = args.decode_batches.iter().max().copied().unwrap_or(0);
     let need = longest.max(biggest * (args.decode_context + args.decode_steps + 1));
-    let pool = KvPool::new(model.kv_layout(), need * 2);
+    let pool: KvPool = model.kv_pool(
+        need * 2,
+        DEFAULT_BLOCK_TOKENS,
+        false,
+        args.kv_cache_dtype.into(),
+    );
     let mut out = EngineResult {
         weights: model.weight_format().to_string(),
         threads,

@@ -40,9 +40,11 @@ pub struct Args {
     pub kv_cache_bytes: Option<u64>,
     #[command(flatten)]
     pub kv: KvArgs,
-    /// KV element type on the wire: f32 (exact) or f16 (half the bytes).
-    #[arg(long, env = "PDSERVE_KV_DTYPE", default_value = "f32")]
-    pub kv_dtype: KvDtype,
+    /// KV element type on the wire: f32 or f16. The default is the cache's
+    /// own (--kv-cache-dtype), which sends the stored values exactly; f32
+    /// over an f16 cache doubles the bytes, f16 over an f32 cache rounds.
+    #[arg(long, env = "PDSERVE_KV_DTYPE")]
+    pub kv_dtype: Option<KvDtype>,
     /// Peak matmul throughput of this machine in GFLOP/s, for the FLOPs-utilisation (MFU) estimate.
     #[arg(long, env = "PDSERVE_PEAK_GFLOPS", default_value_t = 410.0)]
     pub peak_gflops: f64,

@@ -24,10 +24,11 @@ pub fn build(model: Arc<Model>, args: &Args) -> Result<Arc<PrefillServer<EngineH
     let net = PrefillNet::from_args(&args.server, &args.destinations)?;
     let metrics = Arc::new(PrefillMetrics::new());
     // Room for a full batch of prompts or one whole prompt, at least.
+    let cache_dtype = args.kv.kv_cache_dtype;
     let budget = budget_tokens(
         args.kv_cache_tokens,
         args.kv_cache_bytes,
-        model.kv_layout().bytes_per_token(),
+        model.kv_layout().bytes_per_token(cache_dtype.into()),
     )
     .max(model.config().context_length)
     .max(args.batch_tokens());
@@ -35,13 +36,14 @@ pub fn build(model: Arc<Model>, args: &Args) -> Result<Arc<PrefillServer<EngineH
         budget,
         args.kv.kv_block_tokens,
         args.kv.prefix_cache.is_on(),
+        cache_dtype.into(),
     );
     let cfg = EngineConfig {
         chunk_tokens: args.prefill_chunk_tokens,
         batch_tokens: args.batch_tokens(),
         max_batch_jobs: args.prefill_batch_max_jobs.max(1),
         queue_capacity: args.max_queue,
-        kv_dtype: args.kv_dtype.into(),
+        kv_dtype: args.kv_dtype.unwrap_or(cache_dtype).into(),
         peak_flops: args.peak_gflops * 1e9,
         grammars: grammars_for(&args.model.path, model.config().vocab_size),
     };

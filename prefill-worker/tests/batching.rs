@@ -25,7 +25,8 @@ fn start(batch_tokens: usize) -> Bench {
     let metrics = Arc::new(PrefillMetrics::new());
     let engine = EngineHandle::spawn(
         tiny.model.clone(),
-        tiny.model.kv_pool(8192, 16, false),
+        tiny.model
+            .kv_pool(8192, 16, false, pdserve_engine::DEFAULT_KV_DTYPE),
         cfg,
         metrics.clone(),
     );

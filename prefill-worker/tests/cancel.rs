@@ -27,7 +27,8 @@ fn layered_engine() -> (Tiny, EngineHandle) {
     let cfg = engine_config(512, 512);
     let engine = EngineHandle::spawn(
         t.model.clone(),
-        t.model.kv_pool(8192, 16, false),
+        t.model
+            .kv_pool(8192, 16, false, pdserve_engine::DEFAULT_KV_DTYPE),
         cfg,
         Arc::new(PrefillMetrics::new()),
     );

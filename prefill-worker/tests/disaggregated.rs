@@ -151,8 +151,9 @@ async fn through_both(c: &Cluster, id: &str, p: &[u32]) -> (Vec<u32>, u32, u64) 
     (ids_in(&text), cached, result.transfer_bytes)
 }
 
-/// KV bytes of one token, every layer, K and V, f32 (the tiny model).
-const TOKEN_BYTES: u64 = 2 * 2 * 32 * 4;
+/// KV bytes of one token, every layer, K and V, in f16 (the tiny model;
+/// the default cache type, which the wire follows).
+const TOKEN_BYTES: u64 = 2 * 2 * 32 * 2;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_gives_exactly_the_aggregated_tokens() {
@@ -230,35 +231,34 @@ async fn the_prefill_cache_serves_a_decode_worker_that_holds_nothing() {
     assert!(m.contains("pdserve_prefix_cache_hits_total 32"), "{m}");
 }
 
+/// f32 on the wire over the f16 caches: twice the bytes, the same values,
+/// so the same tokens as aggregated; an f32 cache on both sides too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn f16_kv_transfer_completes() {
-    let c = cluster(&["--kv-dtype", "f16"]).await;
-    let mut resp = generate(
-        &c,
-        "half",
-        prompt(11),
-        KvSource::Remote { lease_ms: 10_000 },
-    )
-    .await;
-    let (url, rest) = reserved_url(&mut resp).await;
-    assert!(
-        rest.is_empty(),
-        "nothing but the reservation before the KV arrives"
-    );
-    let done = prefill(&c, "half", prompt(11), &url).await;
-    prefill_outcome(done).await.expect("the KV was delivered");
-    let (tokens, last) = run_stream(resp).await;
-    assert_eq!(tokens.len(), 12);
-    assert!(
-        matches!(
-            last,
-            GenerateEvent::Finished {
-                completion_tokens: 12,
-                ..
-            }
-        ),
-        "{last:?}"
-    );
+async fn every_cache_and_wire_type_gives_the_aggregated_tokens() {
+    let p = prompt(11);
+    for (cache, wire, token_bytes) in [
+        ("f16", "f32", 2 * TOKEN_BYTES),
+        ("f32", "f32", 2 * TOKEN_BYTES),
+        ("f32", "f16", TOKEN_BYTES),
+    ] {
+        let dtype = ["--kv-cache-dtype", cache];
+        let c = cluster_with(&dtype, &[&dtype[..], &["--kv-dtype", wire]].concat()).await;
+        let (remote, cached, bytes) = through_both(&c, "wire", &p).await;
+        assert_eq!(cached, 0);
+        assert!(
+            (11 * token_bytes..11 * token_bytes + 1024).contains(&bytes),
+            "cache {cache}, wire {wire}: {bytes} bytes"
+        );
+        let fresh = cluster_with(&dtype, &dtype).await;
+        let (local, _) =
+            run_stream(generate(&fresh, "agg", p.clone(), KvSource::Local).await).await;
+        if (cache, wire) == ("f32", "f16") {
+            // Rounded on the wire: close, not necessarily equal.
+            assert_eq!(remote.len(), local.len());
+        } else {
+            assert_eq!(remote, local, "cache {cache}, wire {wire}");
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

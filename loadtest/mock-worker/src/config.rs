@@ -37,9 +37,10 @@ pub struct Args {
     /// (KV frames) and queue length.
     #[command(flatten)]
     pub decode: DecodeArgs,
-    /// Prefill: KV element type on the wire, f32 or f16.
-    #[arg(long, env = "PDSERVE_KV_DTYPE", default_value = "f32")]
-    pub kv_dtype: KvDtype,
+    /// Prefill: KV element type on the wire, f32 or f16 (default: the
+    /// cache's, --kv-cache-dtype, as a real prefill worker sends).
+    #[arg(long, env = "PDSERVE_KV_DTYPE")]
+    pub kv_dtype: Option<KvDtype>,
     #[command(flatten)]
     pub latency: LatencyArgs,
     /// Prefill: where KV may go (as a real prefill worker).

@@ -93,7 +93,7 @@ pub fn build(args: &Args, public_url: String) -> Result<Worker, BuildError> {
                 kv: args.decode.kv.clone(),
                 cache_tokens: args.decode.kv_cache_tokens,
                 queue_capacity: args.decode.max_queue,
-                kv_dtype: args.kv_dtype,
+                kv_dtype: args.kv_dtype.unwrap_or(args.decode.kv.kv_cache_dtype),
             };
             let net = PrefillNet::from_args(&args.server, &args.destinations)
                 .map_err(BuildError::Flags)?;

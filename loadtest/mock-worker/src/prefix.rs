@@ -160,6 +160,7 @@ mod tests {
         let kv = KvArgs {
             kv_block_tokens: 4,
             prefix_cache: on,
+            kv_cache_dtype: pdserve_protocol::kvwire::KvDtype::F16,
         };
         PrefixCache::new(&kv, capacity_tokens, 9)
     }

@@ -78,7 +78,8 @@ async fn prefill_streams_real_kv_that_the_decode_worker_accepts() {
     let (resp, kv_url) = reserve(&d.url, &body).await;
     let r = post(&p.url, "/v1/internal/prefill", &job("rt", &body, &kv_url)).await;
     let result = prefill_outcome(r).await.expect("the KV was delivered");
-    let kv = LAYERS * 2 * 40 * KV_HEADS * HEAD_DIM * 4;
+    // f16 on the wire, the cache type's default.
+    let kv = LAYERS * 2 * 40 * KV_HEADS * HEAD_DIM * 2;
     let framing = 55 + 2 + 3 * LAYERS * 32 + 17 + 8 * 2;
     assert_eq!(result.transfer_bytes, kv + framing);
     assert_eq!(

@@ -24,7 +24,7 @@ mod wire;
 pub use error::{EngineError, Result};
 pub use kv::{
     BlockCounts, KvConfig, KvDtype, KvError, KvLayout, KvPool, KvUsage, PrefixStats, SeqKv,
-    DEFAULT_BLOCK_TOKENS,
+    DEFAULT_BLOCK_TOKENS, DEFAULT_KV_DTYPE,
 };
 pub use model::{every_layer, LoadOptions, Logits, Model, OnLayer, Segment};
 pub use pdserve_text::{ChatMessage, ChatTemplate, ModelConfig, PromptError, Tokenizer};

@@ -13,12 +13,13 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
+use half::f16;
 
 use crate::attention::{
     add_rows, attention, rms_norm, swiglu, Heads, Rope, SeqView, PARALLEL_ROWS,
 };
 use crate::error::{EngineError, Result};
-use crate::kv::{Half, KvConfig, KvLayout, KvPool, SeqKv};
+use crate::kv::{Half, KvConfig, KvDtype, KvElem, KvLayout, KvPool, SeqKv};
 use crate::profile::{Stage, StageClock};
 use crate::threads::{for_rows, Disjoint};
 use crate::weights::{dequantized, Linear, WeightFormat};
@@ -233,13 +234,20 @@ impl Model {
     }
 
     /// A KV pool for this model of `budget_tokens` in blocks of
-    /// `block_tokens`, with or without the prefix cache.
-    pub fn kv_pool(&self, budget_tokens: usize, block_tokens: usize, prefix_cache: bool) -> KvPool {
+    /// `block_tokens` of `dtype`, with or without the prefix cache.
+    pub fn kv_pool(
+        &self,
+        budget_tokens: usize,
+        block_tokens: usize,
+        prefix_cache: bool,
+        dtype: KvDtype,
+    ) -> KvPool {
         let cfg = KvConfig {
             budget_tokens,
             block_tokens,
             prefix_cache,
             fingerprint: self.fingerprint,
+            dtype,
         };
         KvPool::with_config(self.kv_layout(), cfg)
     }
@@ -393,17 +401,10 @@ impl Model {
             s.kv.append(l, &k[offset..offset + n], &v[offset..offset + n]);
             offset += n;
         }
-        let views: Vec<SeqView> = segs
-            .iter()
-            .map(|s| SeqView {
-                k: s.kv.layer_blocks(l, Half::K),
-                v: s.kv.layer_blocks(l, Half::V),
-                block_tokens: s.kv.block_tokens(),
-            })
-            .collect();
         let mut attn = vec![0f32; q.len()];
-        c.time(Stage::Attention, || {
-            attention(&q, &views, rows, self.heads(), &mut attn)
+        c.time(Stage::Attention, || match segs[0].kv.dtype() {
+            KvDtype::F32 => attend::<f32>(l, &q, segs, rows, self.heads(), &mut attn),
+            KvDtype::F16 => attend::<f16>(l, &q, segs, rows, self.heads(), &mut attn),
         });
         let o = c.time(Stage::OutMatmul, || layer.wo.forward(&attn, &self.device))?;
         c.time(Stage::Elementwise, || add_rows(x, &o, self.cfg.hidden_size));
@@ -472,6 +473,27 @@ impl Model {
             vocab: self.lm_head.out_dim(),
         })
     }
+}
+
+/// Attention of layer `l` over each segment's KV, read as `T` (the
+/// store's element type).
+fn attend<T: KvElem>(
+    l: usize,
+    q: &[f32],
+    segs: &[Segment<'_>],
+    rows: &[(usize, usize)],
+    heads: Heads,
+    out: &mut [f32],
+) {
+    let views: Vec<SeqView<T>> = segs
+        .iter()
+        .map(|s| SeqView {
+            k: s.kv.layer_blocks(l, Half::K),
+            v: s.kv.layer_blocks(l, Half::V),
+            block_tokens: s.kv.block_tokens(),
+        })
+        .collect();
+    attention(q, &views, rows, heads, out)
 }
 
 fn load_layer(ld: &mut Loader<'_>, i: usize, format: WeightFormat) -> Result<Layer> {

@@ -7,13 +7,16 @@ use std::sync::OnceLock;
 
 const W: usize = 16;
 
-/// Whether the CPU has AVX2 and FMA (checked once).
+/// Whether the CPU has AVX2, FMA and F16C (checked once; every CPU with
+/// the first two has the third).
 pub(crate) fn avx2_fma() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {

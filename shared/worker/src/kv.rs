@@ -1,6 +1,7 @@
 //! The KV cache's flags and report, the same for every backend.
 
 pub use pdserve_protocol::internal::KvReport;
+use pdserve_protocol::kvwire::KvDtype;
 use pdserve_runtime::metrics::{self as m, labels};
 use prometheus::{IntCounter, IntGaugeVec, Registry};
 
@@ -27,6 +28,11 @@ pub struct KvArgs {
     /// the same way (a shared system prompt, the earlier turns of a chat).
     #[arg(long, env = "PDSERVE_PREFIX_CACHE", value_enum, default_value = "on")]
     pub prefix_cache: Switch,
+    /// Element type of the stored K and V: f16 (half the memory and half
+    /// the bytes each decode step reads) or f32. Prefill and decode workers
+    /// must match for disaggregated output to equal aggregated output.
+    #[arg(long, env = "PDSERVE_KV_CACHE_DTYPE", default_value = "f16")]
+    pub kv_cache_dtype: KvDtype,
 }
 
 /// The KV budget in tokens: `bytes` over the model's `bytes_per_token`

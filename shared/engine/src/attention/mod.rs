@@ -3,6 +3,7 @@
 //! head), so all query heads that share a KV head read each K/V row once, and
 //! sequences of different lengths batch without padding.
 
+use crate::kv::KvElem;
 use crate::simd;
 use crate::threads::{for_ranges, for_rows, Disjoint};
 
@@ -74,10 +75,11 @@ impl Rope {
 }
 
 /// One sequence's view for attention: its KV in this layer, block by block
-/// (each slice holds `block_tokens` rows, the last one possibly fewer).
-pub(crate) struct SeqView<'a> {
-    pub k: Vec<&'a [f32]>,
-    pub v: Vec<&'a [f32]>,
+/// (each slice holds `block_tokens` rows, the last one possibly fewer), in
+/// the KV store's element type `T`.
+pub(crate) struct SeqView<'a, T> {
+    pub k: Vec<&'a [T]>,
+    pub v: Vec<&'a [T]>,
     pub block_tokens: usize,
 }
 
@@ -87,10 +89,11 @@ pub(crate) struct SeqView<'a> {
 ///
 /// Work items are (row, KV head) pairs, shared out on candle's own thread
 /// pool: the same threads that run the quantized matmuls, so the two never
-/// compete for cores.
-pub(crate) fn attention(
+/// compete for cores. K and V are read as stored (f32 or f16) and widened
+/// to f32 exactly, so the result is the f32 computation over those values.
+pub(crate) fn attention<T: KvElem>(
     q: &[f32],
-    seqs: &[SeqView<'_>],
+    seqs: &[SeqView<'_, T>],
     row_seq: &[(usize, usize)],
     heads: Heads,
     out: &mut [f32],
@@ -104,25 +107,33 @@ pub(crate) fn attention(
     );
     let out = Disjoint::new(out);
     for_ranges(items, 1, |range| {
-        let mut scores = Vec::new();
+        let mut scratch = Scratch::default();
         for item in range {
             // SAFETY: each item writes only its own `width`-wide chunk of `out`,
             // items are distinct, and `out` outlives this call (the pool call
             // returns only after every worker is done).
             let chunk = unsafe { out.rows(item, width) };
-            attend_one(q, seqs, row_seq, heads, item, &mut scores, chunk);
+            attend_one(q, seqs, row_seq, heads, item, &mut scratch, chunk);
         }
     });
 }
 
+/// A worker's buffers, reused across its items.
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    /// One head's K or V row, widened (portable path).
+    row: Vec<f32>,
+}
+
 /// The query heads of one KV head for one row, against that sequence's KV.
-fn attend_one(
+fn attend_one<T: KvElem>(
     q: &[f32],
-    seqs: &[SeqView<'_>],
+    seqs: &[SeqView<'_, T>],
     row_seq: &[(usize, usize)],
     heads: Heads,
     item: usize,
-    scores: &mut Vec<f32>,
+    scratch: &mut Scratch,
     out: &mut [f32],
 ) {
     let (hd, group) = (heads.head_dim, heads.group());
@@ -135,8 +146,10 @@ fn attend_one(
     let ctx = pos + 1;
     let scale = 1.0 / (hd as f32).sqrt();
     let head = kvh * hd;
+    let Scratch { scores, row: wide } = scratch;
     scores.clear();
     scores.resize(group * ctx, 0.0);
+    wide.resize(hd, 0.0);
     #[cfg(target_arch = "x86_64")]
     if simd::avx2_fma() && hd.is_multiple_of(8) {
         let at = x86::HeadRows {
@@ -144,7 +157,7 @@ fn attend_one(
             offset: head,
             hd,
         };
-        // SAFETY: AVX2 and FMA are present, `hd` is a multiple of 8, and the
+        // SAFETY: AVX2, FMA and F16C are present, `hd` is a multiple of 8, and the
         // view's blocks hold the sequence's rows up to `pos` (the KV cache's
         // layout: `block_tokens` rows of `kv_row` floats per block).
         unsafe {
@@ -154,27 +167,44 @@ fn attend_one(
         }
         return;
     }
-    let b = view.block_tokens;
-    for (i, block) in view.k.iter().enumerate().take(ctx.div_ceil(b)) {
-        let t0 = i * b;
-        for (j, k) in block.chunks_exact(kv_row).take(ctx - t0).enumerate() {
-            let k = &k[head..head + hd];
-            for g in 0..group {
-                scores[g * ctx + t0 + j] = simd::dot(&q[g * hd..(g + 1) * hd], k) * scale;
+    portable(q, view, heads, kvh, scores, wide, out);
+}
+
+/// [`attend_one`] for any CPU and head width: one key at a time, each
+/// widened to f32 first.
+fn portable<T: KvElem>(
+    q: &[f32],
+    view: &SeqView<'_, T>,
+    heads: Heads,
+    kvh: usize,
+    scores: &mut [f32],
+    wide: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let (hd, group, b) = (heads.head_dim, heads.group(), view.block_tokens);
+    let (kv_row, head) = (heads.n_kv_heads * hd, kvh * hd);
+    let ctx = scores.len() / group;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let each = |blocks: &[&[T]], wide: &mut Vec<f32>, f: &mut dyn FnMut(usize, &[f32])| {
+        for (i, block) in blocks.iter().enumerate().take(ctx.div_ceil(b)) {
+            for (j, r) in block.chunks_exact(kv_row).take(ctx - i * b).enumerate() {
+                T::widen(&r[head..head + hd], wide);
+                f(i * b + j, wide);
             }
         }
-    }
+    };
+    each(&view.k, wide, &mut |t, k| {
+        for g in 0..group {
+            scores[g * ctx + t] = simd::dot(&q[g * hd..(g + 1) * hd], k) * scale;
+        }
+    });
     softmax_rows(scores, group, ctx);
     out.fill(0.0);
-    for (i, block) in view.v.iter().enumerate().take(ctx.div_ceil(b)) {
-        let t0 = i * b;
-        for (j, v) in block.chunks_exact(kv_row).take(ctx - t0).enumerate() {
-            let v = &v[head..head + hd];
-            for g in 0..group {
-                simd::axpy(scores[g * ctx + t0 + j], v, &mut out[g * hd..(g + 1) * hd]);
-            }
+    each(&view.v, wide, &mut |t, v| {
+        for g in 0..group {
+            simd::axpy(scores[g * ctx + t], v, &mut out[g * hd..(g + 1) * hd]);
         }
-    }
+    });
 }
 
 /// Softmax of each of `group` rows of `ctx` scores, in place.
@@ -262,8 +292,8 @@ mod tests {
     }
 
     /// Contiguous rows cut into blocks of `block_tokens`.
-    fn paged<'a>(k: &'a [f32], v: &'a [f32], kv_row: usize, block_tokens: usize) -> SeqView<'a> {
-        let cut = |x: &'a [f32]| x.chunks(block_tokens * kv_row).collect();
+    fn paged<'a, T>(k: &'a [T], v: &'a [T], kv_row: usize, block_tokens: usize) -> SeqView<'a, T> {
+        let cut = |x: &'a [T]| x.chunks(block_tokens * kv_row).collect();
         SeqView {
             k: cut(k),
             v: cut(v),
@@ -300,7 +330,7 @@ mod tests {
             .iter()
             .flat_map(|&(s, pos)| values(w, 7 + 100 * s as u32 + pos as u32))
             .collect();
-        let seqs: Vec<SeqView> = ks
+        let seqs: Vec<SeqView<f32>> = ks
             .iter()
             .zip(&vs)
             .map(|(k, v)| paged(k, v, kv_row, block_tokens))
@@ -365,6 +395,34 @@ mod tests {
         }
     }
 
+    /// Attention over f16 KV gives the bits of attention over the same
+    /// values held as f32, on the SIMD path (head width 64) and the
+    /// portable one (20).
+    #[test]
+    fn f16_kv_reads_as_its_values_in_f32() {
+        use half::f16;
+        for (n_heads, n_kv_heads, head_dim) in [(9, 3, 64), (6, 2, 20)] {
+            let h = Heads {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+            };
+            let kv_row = n_kv_heads * head_dim;
+            let round = |x: Vec<f32>| -> (Vec<f32>, Vec<f16>) {
+                let half: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+                (half.iter().map(|v| v.to_f32()).collect(), half)
+            };
+            let (k32, k16) = round(values(41 * kv_row, 3));
+            let (v32, v16) = round(values(41 * kv_row, 4));
+            let rows = [(0, 40), (0, 7)];
+            let q = values(rows.len() * n_heads * head_dim, 11);
+            let (mut wide, mut narrow) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+            attention(&q, &[paged(&k32, &v32, kv_row, 16)], &rows, h, &mut wide);
+            attention(&q, &[paged(&k16, &v16, kv_row, 16)], &rows, h, &mut narrow);
+            assert_eq!(wide, narrow, "head width {head_dim}");
+        }
+    }
+
     #[test]
     fn rope_at_zero_is_identity_and_preserves_norm() {
         let rope = Rope::new(8, 10_000.0, 16);
@@ -379,8 +437,8 @@ mod tests {
         assert!((n0 - n1).abs() < 1e-4);
     }
 
-    /// Kernel speed in isolation (`cargo test --release -p pdserve-engine --lib
-    /// attention_decode_speed -- --ignored --nocapture`).
+    /// Kernel speed in isolation, f32 and f16 KV (`cargo test --release -p
+    /// pdserve-engine --lib attention_decode_speed -- --ignored --nocapture`).
     #[test]
     #[ignore]
     fn attention_decode_speed() {
@@ -389,22 +447,40 @@ mod tests {
             n_kv_heads: 3,
             head_dim: 64,
         };
-        let (ctx, seqs) = (140, 16);
-        let ks: Vec<Vec<f32>> = (0..seqs)
-            .map(|i| values(ctx * h.n_kv_heads * h.head_dim, i as u32))
-            .collect();
+        let (ctx, seqs) = (1024, 16);
         let kv_row = h.n_kv_heads * h.head_dim;
-        let views: Vec<SeqView> = ks.iter().map(|k| paged(k, k, kv_row, 16)).collect();
+        let ks: Vec<Vec<f32>> = (0..seqs).map(|i| values(ctx * kv_row, i as u32)).collect();
+        let halves: Vec<Vec<half::f16>> = ks
+            .iter()
+            .map(|k| k.iter().map(|&x| half::f16::from_f32(x)).collect())
+            .collect();
         let row_seq: Vec<(usize, usize)> = (0..seqs).map(|i| (i, ctx - 1)).collect();
         let q = values(seqs * h.n_heads * h.head_dim, 5);
-        let mut out = vec![0f32; q.len()];
-        let start = std::time::Instant::now();
-        for _ in 0..300 {
-            attention(&q, &views, &row_seq, h, &mut out);
+        fn time<T: KvElem>(
+            name: &str,
+            q: &[f32],
+            views: &[SeqView<T>],
+            rows: &[(usize, usize)],
+            h: Heads,
+        ) {
+            let mut out = vec![0f32; q.len()];
+            let start = std::time::Instant::now();
+            for _ in 0..100 {
+                attention(q, views, rows, h, &mut out);
+            }
+            eprintln!(
+                "{name}: one layer, {} sequences of {}: {:?}",
+                views.len(),
+                rows[0].1 + 1,
+                start.elapsed() / 100
+            );
         }
-        eprintln!(
-            "one layer, {seqs} sequences of {ctx}: {:?}",
-            start.elapsed() / 300
-        );
+        for _ in 0..2 {
+            let views: Vec<SeqView<f32>> = ks.iter().map(|k| paged(k, k, kv_row, 16)).collect();
+            time("f32", &q, &views, &row_seq, h);
+            let views: Vec<SeqView<half::f16>> =
+                halves.iter().map(|k| paged(k, k, kv_row, 16)).collect();
+            time("f16", &q, &views, &row_seq, h);
+        }
     }
 }

@@ -8,13 +8,14 @@
 use std::arch::x86_64::*;
 
 use super::SeqView;
+use crate::kv::KvElem;
 
 /// Keys scored together.
 const KEYS: usize = 8;
 /// Floats per register.
 const LANE: usize = 8;
 
-/// Where one KV head's rows lie: each block's slice, `stride` floats per
+/// Where one KV head's rows lie: each block's slice, `stride` elements per
 /// token, the head's `hd` values at `offset`.
 #[derive(Clone, Copy)]
 pub(super) struct HeadRows {
@@ -27,13 +28,13 @@ pub(super) struct HeadRows {
 /// `q` (`group × hd`) and every key `t < ctx` of `keys`.
 ///
 /// # Safety
-/// AVX2 and FMA are available; `hd` is a multiple of 8; every block holds
-/// `block_tokens` rows of `stride` floats (the last one at least the rows
-/// `ctx` needs), and `offset + hd <= stride`.
-#[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn scores(
+/// AVX2, FMA and F16C are available; `hd` is a multiple of 8; every block
+/// holds `block_tokens` rows of `stride` elements (the last one at least the
+/// rows `ctx` needs), and `offset + hd <= stride`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn scores<T: KvElem>(
     q: &[f32],
-    view: &SeqView<'_>,
+    view: &SeqView<'_, T>,
     at: HeadRows,
     ctx: usize,
     scale: f32,
@@ -51,9 +52,9 @@ pub(super) unsafe fn scores(
             let dst = unsafe { scores.as_mut_ptr().add(g * ctx + t0) };
             let mut j = 0;
             while j + KEYS <= n {
-                let keys: [*const f32; KEYS] = std::array::from_fn(|k| key(j + k));
+                let keys: [*const T; KEYS] = std::array::from_fn(|k| key(j + k));
                 unsafe {
-                    let s = reduce8(dots(qg, keys, at.hd));
+                    let s = reduce8(dots::<T, KEYS>(qg, keys, at.hd));
                     _mm256_storeu_ps(dst.add(j), _mm256_mul_ps(s, _mm256_set1_ps(scale)));
                 }
                 j += KEYS;
@@ -66,14 +67,18 @@ pub(super) unsafe fn scores(
 }
 
 /// Lane partials of `q · k` for each key.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn dots<const K: usize>(q: *const f32, keys: [*const f32; K], hd: usize) -> [__m256; K] {
+unsafe fn dots<T: KvElem, const K: usize>(
+    q: *const f32,
+    keys: [*const T; K],
+    hd: usize,
+) -> [__m256; K] {
     let mut acc = [_mm256_setzero_ps(); K];
     for c in (0..hd).step_by(LANE) {
         let qv = unsafe { _mm256_loadu_ps(q.add(c)) };
         for k in 0..K {
-            acc[k] = _mm256_fmadd_ps(qv, unsafe { _mm256_loadu_ps(keys[k].add(c)) }, acc[k]);
+            acc[k] = _mm256_fmadd_ps(qv, unsafe { T::load8(keys[k].add(c)) }, acc[k]);
         }
     }
     acc
@@ -109,10 +114,10 @@ unsafe fn reduce1(a: __m256) -> f32 {
 ///
 /// # Safety
 /// As [`scores`], with `p` holding `group × ctx` weights.
-#[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn values(
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn values<T: KvElem>(
     p: &[f32],
-    view: &SeqView<'_>,
+    view: &SeqView<'_, T>,
     at: HeadRows,
     ctx: usize,
     out: &mut [f32],
@@ -127,10 +132,10 @@ pub(super) unsafe fn values(
             let wide = at.hd - c >= 4 * LANE;
             unsafe {
                 match (ng, wide) {
-                    (2, true) => values_tile::<2, 4>(p, view, at, ctx, g, c, out),
-                    (2, false) => values_tile::<2, 1>(p, view, at, ctx, g, c, out),
-                    (_, true) => values_tile::<1, 4>(p, view, at, ctx, g, c, out),
-                    (_, false) => values_tile::<1, 1>(p, view, at, ctx, g, c, out),
+                    (2, true) => values_tile::<T, 2, 4>(p, view, at, ctx, g, c, out),
+                    (2, false) => values_tile::<T, 2, 1>(p, view, at, ctx, g, c, out),
+                    (_, true) => values_tile::<T, 1, 4>(p, view, at, ctx, g, c, out),
+                    (_, false) => values_tile::<T, 1, 1>(p, view, at, ctx, g, c, out),
                 }
             }
             c += if wide { 4 * LANE } else { LANE };
@@ -140,11 +145,11 @@ pub(super) unsafe fn values(
 }
 
 /// Heads `g0..g0 + NG`, values `c0..c0 + 8·NC`, accumulated in registers.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn values_tile<const NG: usize, const NC: usize>(
+unsafe fn values_tile<T: KvElem, const NG: usize, const NC: usize>(
     p: &[f32],
-    view: &SeqView<'_>,
+    view: &SeqView<'_, T>,
     at: HeadRows,
     ctx: usize,
     g0: usize,
@@ -158,8 +163,7 @@ unsafe fn values_tile<const NG: usize, const NC: usize>(
         debug_assert!(block.len() >= (n - 1) * at.stride + at.offset + at.hd);
         for j in 0..n {
             let row = unsafe { block.as_ptr().add(j * at.stride + at.offset + c0) };
-            let v: [__m256; NC] =
-                std::array::from_fn(|k| unsafe { _mm256_loadu_ps(row.add(k * LANE)) });
+            let v: [__m256; NC] = std::array::from_fn(|k| unsafe { T::load8(row.add(k * LANE)) });
             for (g, acc) in acc.iter_mut().enumerate() {
                 let w = _mm256_set1_ps(p[(g0 + g) * ctx + t0 + j]);
                 for k in 0..NC {

@@ -1,9 +1,11 @@
 //! A sequence's KV as bytes: the rows of a layer exported for the KV
-//! stream, and imported from it, in f32 (bit-exact) or f16.
+//! stream, and imported from it, in f32 or f16. Either is exact when it is
+//! at least the store's own element type.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
+use super::elem::KvElem;
 use super::store::Half;
 use super::{KvDtype, KvError, SeqKv};
 
@@ -11,9 +13,41 @@ impl SeqKv {
     /// Appends the committed K then V of `layer` to `out` as little-endian bytes.
     pub fn export_layer(&self, layer: usize, dtype: KvDtype, out: &mut Vec<u8>) {
         for half in [Half::K, Half::V] {
-            for rows in self.rows(layer, half, 0, self.len()) {
-                write_values(rows, dtype, out);
-            }
+            self.put_rows(layer, half, 0, self.len(), dtype, out);
+        }
+    }
+
+    /// Appends the rows of positions `start .. start + n` of one half of
+    /// `layer` to `out` as `dtype` bytes.
+    fn put_rows(
+        &self,
+        layer: usize,
+        half: Half,
+        start: usize,
+        n: usize,
+        dtype: KvDtype,
+        out: &mut Vec<u8>,
+    ) {
+        match self.dtype() {
+            KvDtype::F32 => self.put_rows_as::<f32>(layer, half, start, n, dtype, out),
+            KvDtype::F16 => self.put_rows_as::<f16>(layer, half, start, n, dtype, out),
+        }
+    }
+
+    fn put_rows_as<T: KvElem>(
+        &self,
+        layer: usize,
+        half: Half,
+        start: usize,
+        n: usize,
+        dtype: KvDtype,
+        out: &mut Vec<u8>,
+    ) {
+        let mut wide = Vec::new();
+        for rows in self.rows::<T>(layer, half, start, n) {
+            wide.resize(rows.len(), 0.0);
+            T::widen(rows, &mut wide);
+            write_values(&wide, dtype, out);
         }
     }
 
@@ -36,9 +70,7 @@ impl SeqKv {
             )));
         }
         for (half, out) in [(Half::K, k_out), (Half::V, v_out)] {
-            for rows in self.rows(layer, half, token_start, tokens) {
-                write_values(rows, dtype, out);
-            }
+            self.put_rows(layer, half, token_start, tokens, dtype, out);
         }
         Ok(())
     }

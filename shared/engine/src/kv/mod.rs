@@ -4,8 +4,8 @@
 //! sequence ([`SeqKv`]) holds a table of blocks and grows a block at a time;
 //! dropping it gives its blocks back, so a cancelled or finished request
 //! never leaks KV. Within a block, storage is token-major per layer
-//! (`[block_tokens, kv_heads, head_dim]` of f32), so attention reads a
-//! block's keys as one contiguous slice.
+//! (`[block_tokens, kv_heads, head_dim]` of f16 by default, or f32), so
+//! attention reads a block's keys as one contiguous slice.
 //!
 //! With the prefix cache on, every full block is keyed by a chained hash of
 //! its tokens (and those before it, and the model); a new sequence whose
@@ -14,6 +14,7 @@
 //! stays cached until its memory is needed, least recently used first.
 
 mod blocks;
+mod elem;
 mod io;
 mod seq;
 mod store;
@@ -25,6 +26,7 @@ pub use blocks::BlockCounts;
 pub use seq::SeqKv;
 
 use blocks::Blocks;
+pub(crate) use elem::KvElem;
 use pdserve_protocol::internal::KvReport;
 use pdserve_protocol::prefix::{block_hash, PrefixDigest};
 pub(crate) use store::Half;
@@ -49,18 +51,21 @@ impl KvLayout {
         2 * tokens * self.row() * dtype.size()
     }
 
-    /// Bytes of K plus V for one token across all layers, as stored (f32).
-    pub fn bytes_per_token(&self) -> usize {
-        self.n_layers * self.layer_bytes(1, KvDtype::F32)
+    /// Bytes of K plus V for one token across all layers, stored as `dtype`.
+    pub fn bytes_per_token(&self, dtype: KvDtype) -> usize {
+        self.n_layers * self.layer_bytes(1, dtype)
     }
 }
 
-/// Element type of exported KV bytes.
+/// Element type of the KV store, and of exported KV bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KvDtype {
     F32,
     F16,
 }
+
+/// The KV store's element type when none is asked for.
+pub const DEFAULT_KV_DTYPE: KvDtype = KvDtype::F16;
 
 impl KvDtype {
     /// Bytes per element.
@@ -144,6 +149,8 @@ pub struct KvConfig {
     pub prefix_cache: bool,
     /// The model's fingerprint, part of every block's hash.
     pub fingerprint: u64,
+    /// Element type of the stored K and V.
+    pub dtype: KvDtype,
 }
 
 /// Tokens per block when none is asked for.
@@ -203,13 +210,14 @@ pub struct KvPool {
 
 impl KvPool {
     /// A pool for `layout` of `budget_tokens` (in blocks of
-    /// [`DEFAULT_BLOCK_TOKENS`]), without the prefix cache.
+    /// [`DEFAULT_BLOCK_TOKENS`] of [`DEFAULT_KV_DTYPE`]), without the prefix cache.
     pub fn new(layout: KvLayout, budget_tokens: usize) -> Self {
         let cfg = KvConfig {
             budget_tokens,
             block_tokens: DEFAULT_BLOCK_TOKENS,
             prefix_cache: false,
             fingerprint: 0,
+            dtype: DEFAULT_KV_DTYPE,
         };
         Self::with_config(layout, cfg)
     }
@@ -222,7 +230,7 @@ impl KvPool {
             cfg,
             n_blocks,
             blocks: Mutex::new(Blocks::new(n_blocks, cfg.prefix_cache)),
-            store: Store::new(layout, n_blocks, cfg.block_tokens),
+            store: Store::new(layout, n_blocks, cfg.block_tokens, cfg.dtype),
             stored: AtomicUsize::new(0),
             sequences: AtomicUsize::new(0),
             queried: AtomicU64::new(0),

@@ -4,9 +4,12 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use half::f16;
+
 use super::blocks::BlockId;
+use super::elem::KvElem;
 use super::store::Half;
-use super::{KvError, KvLayout, PoolInner};
+use super::{KvDtype, KvError, KvLayout, PoolInner};
 
 /// One sequence's KV: per layer, K and V rows for every token so far, in
 /// the blocks of its table. Dropping it gives the blocks back.
@@ -45,6 +48,11 @@ impl SeqKv {
 
     pub fn layout(&self) -> KvLayout {
         self.pool.layout
+    }
+
+    /// Element type of the stored K and V.
+    pub fn dtype(&self) -> KvDtype {
+        self.pool.cfg.dtype
     }
 
     /// Tokens per block.
@@ -155,8 +163,15 @@ impl SeqKv {
     }
 
     /// Writes `rows` (of `row` floats each) of one half of `layer` from
-    /// position `start` on, block by block.
+    /// position `start` on, block by block, in the store's element type.
     pub(super) fn write(&mut self, layer: usize, half: Half, start: usize, rows: &[f32]) {
+        match self.dtype() {
+            KvDtype::F32 => self.write_as::<f32>(layer, half, start, rows),
+            KvDtype::F16 => self.write_as::<f16>(layer, half, start, rows),
+        }
+    }
+
+    fn write_as<T: KvElem>(&mut self, layer: usize, half: Half, start: usize, rows: &[f32]) {
         let (b, row) = (self.block_tokens(), self.pool.layout.row());
         let mut pos = start;
         for chunk in Chunks::new(rows.len() / row, start, b) {
@@ -164,9 +179,12 @@ impl SeqKv {
             // SAFETY: positions from `len` on are in this sequence's
             // exclusive blocks (the type's invariant), and `&mut self` keeps
             // anyone else from writing through this sequence meanwhile.
-            let dst = unsafe { self.pool.store.block_mut(layer, half, block) };
+            let dst = unsafe { self.pool.store.block_mut::<T>(layer, half, block) };
             let src = &rows[(pos - start) * row..(pos - start + chunk.n) * row];
-            dst[chunk.slot * row..(chunk.slot + chunk.n) * row].copy_from_slice(src);
+            T::narrow(
+                src,
+                &mut dst[chunk.slot * row..(chunk.slot + chunk.n) * row],
+            );
             pos += chunk.n;
         }
     }
@@ -258,20 +276,21 @@ impl SeqKv {
             for half in [Half::K, Half::V] {
                 // SAFETY: `from` is held by this sequence and read-only;
                 // `to` was just allocated to it and nobody else holds it.
-                let (src, dst) = unsafe {
-                    (
-                        self.pool.store.block(layer, half, from),
-                        self.pool.store.block_mut(layer, half, to),
-                    )
-                };
-                dst[..n].copy_from_slice(&src[..n]);
+                unsafe { self.pool.store.copy(layer, half, from, to, n) };
             }
         }
     }
 
     /// The rows of positions `start .. start + n` of one half of `layer`,
-    /// as contiguous slices (one per block they span).
-    pub(crate) fn rows(&self, layer: usize, half: Half, start: usize, n: usize) -> Vec<&[f32]> {
+    /// as contiguous slices (one per block they span). `T` is the store's
+    /// element type.
+    pub(crate) fn rows<T: KvElem>(
+        &self,
+        layer: usize,
+        half: Half,
+        start: usize,
+        n: usize,
+    ) -> Vec<&[T]> {
         let (b, row) = (self.block_tokens(), self.pool.layout.row());
         Chunks::new(n, start, b)
             .map(|c| {
@@ -285,7 +304,7 @@ impl SeqKv {
 
     /// Every block's rows of one half of `layer` up to its `layer_len`,
     /// one slice per block (for attention).
-    pub(crate) fn layer_blocks(&self, layer: usize, half: Half) -> Vec<&[f32]> {
+    pub(crate) fn layer_blocks<T: KvElem>(&self, layer: usize, half: Half) -> Vec<&[T]> {
         self.rows(layer, half, 0, self.layer_len[layer])
     }
 }

@@ -17,6 +17,7 @@ fn pool(budget: usize, block_tokens: usize, prefix_cache: bool) -> KvPool {
         block_tokens,
         prefix_cache,
         fingerprint: 7,
+        dtype: KvDtype::F32,
     };
     KvPool::with_config(layout(), cfg)
 }
@@ -138,6 +139,43 @@ fn f32_export_import_is_bit_exact_and_f16_close() {
                 .all(|(x, y)| (x - y).abs() <= 1e-3 * x.abs().max(1.0))),
         }
     }
+}
+
+/// An f16 store keeps each value rounded once, when written; both wire
+/// types carry exactly those values, so a copy through either is the same.
+#[test]
+fn an_f16_store_holds_rounded_values_and_either_wire_carries_them() {
+    let cfg = KvConfig {
+        dtype: KvDtype::F16,
+        ..pool(100, 4, false).config()
+    };
+    let pool = KvPool::with_config(layout(), cfg);
+    let src = filled(&pool, 5);
+    let exact: Vec<f32> = (0..5).flat_map(|p| row(1, p, false)).collect();
+    let rounded: Vec<f32> = exact
+        .iter()
+        .map(|&x| half::f16::from_f32(x).to_f32())
+        .collect();
+    assert_ne!(exact, rounded, "the test values are not all f16 values");
+    assert_eq!(layer(&src, 1).0, rounded);
+    let tokens: Vec<u32> = (0..5).collect();
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let mut dst = pool.allocate(8).unwrap();
+        for l in 0..2 {
+            let mut bytes = Vec::new();
+            src.export_layer(l, dtype, &mut bytes);
+            assert_eq!(bytes.len(), layout().layer_bytes(5, dtype));
+            dst.import_layer(l, dtype, 5, &bytes).unwrap();
+        }
+        dst.finish_import(&tokens).unwrap();
+        for l in 0..2 {
+            assert_eq!(layer(&dst, l), layer(&src, l), "{dtype:?} layer {l}");
+        }
+    }
+    assert_eq!(
+        layout().bytes_per_token(KvDtype::F16) * 2,
+        layout().bytes_per_token(KvDtype::F32)
+    );
 }
 
 #[test]
