@@ -84,7 +84,7 @@ impl DecodeBackend for RealDecode {
     }
 
     fn kv_shape(&self) -> KvShape {
-        self.model.kv_shape()
+        self.model.kv_shape(self.pool.config().dtype)
     }
 
     fn reserve(&self, prompt: &[u32], max_tokens: u32) -> Result<RealKv, ErrorBody> {

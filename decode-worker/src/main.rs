@@ -19,7 +19,8 @@ async fn serve(args: Args) -> anyhow::Result<()> {
     let eos = Tokenizer::from_gguf_file(&args.model.path)?.eos_token_id();
     let (listener, url) = args.server.bind(args.port).await?;
     let server = build(model.clone(), eos, &args, url);
-    let service = server.service(model.fingerprint(), &args.model.weights.to_string());
+    let fingerprint = model.kv_fingerprint(args.decode.kv.kv_cache_dtype.into());
+    let service = server.service(fingerprint, &args.model.weights.to_string());
     pdserve_worker::serve(listener, service, &args.server).await?;
     Ok(())
 }

@@ -1,15 +1,19 @@
 //! `pdserve-loadtest kv`: the cost of moving one sequence's KV: export from
 //! the cache to bytes, framing and CRC (encode), parsing and CRC (decode),
-//! and import back into a cache, for f32 and f16. Medians of several runs.
+//! and import back into a cache, for every cache type and wire type (f32,
+//! f16). Medians of several runs.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use pdserve_engine::{KvDtype, KvLayout, KvPool, ModelConfig, SeqKv};
+use pdserve_engine::{KvConfig, KvDtype, KvLayout, KvPool, ModelConfig, SeqKv};
 use pdserve_protocol::kvwire::{self, KvEvent, KvHeader, KvLimits, KvStreamDecoder, KvTrailer};
 use serde::Serialize;
+
+/// The element types measured, for the cache and for the wire.
+const DTYPES: [(KvDtype, &str); 2] = [(KvDtype::F32, "f32"), (KvDtype::F16, "f16")];
 
 #[derive(Args, Debug)]
 pub struct KvArgs {
@@ -30,6 +34,7 @@ pub struct KvArgs {
 
 #[derive(Serialize, Debug)]
 struct KvResult {
+    cache: &'static str,
     dtype: &'static str,
     tokens: usize,
     bytes: usize,
@@ -44,18 +49,20 @@ pub fn run(args: KvArgs) -> Result<()> {
     let layout = layout(args.model.as_ref())?;
     let mut results = Vec::new();
     for &tokens in &args.tokens {
-        for (dtype, name) in [(KvDtype::F32, "f32"), (KvDtype::F16, "f16")] {
-            results.push(measure(layout, tokens, dtype, name, args.reps)?);
+        for cache in DTYPES {
+            for dtype in DTYPES {
+                results.push(measure(layout, tokens, cache, dtype, args.reps)?);
+            }
         }
     }
     println!(
-        "\n{:<6} {:>7} {:>11} {:>10} {:>10} {:>10} {:>10}",
-        "dtype", "tokens", "bytes", "export ms", "encode ms", "decode ms", "import ms"
+        "\n{:<6} {:<6} {:>7} {:>11} {:>10} {:>10} {:>10} {:>10}",
+        "cache", "wire", "tokens", "bytes", "export ms", "encode ms", "decode ms", "import ms"
     );
     for r in &results {
         println!(
-            "{:<6} {:>7} {:>11} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
-            r.dtype, r.tokens, r.bytes, r.export_ms, r.encode_ms, r.decode_ms, r.import_ms
+            "{:<6} {:<6} {:>7} {:>11} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
+            r.cache, r.dtype, r.tokens, r.bytes, r.export_ms, r.encode_ms, r.decode_ms, r.import_ms
         );
     }
     if let Some(path) = &args.json {
@@ -104,11 +111,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn measure(
     layout: KvLayout,
     tokens: usize,
-    dtype: KvDtype,
-    name: &'static str,
+    (cache, cache_name): (KvDtype, &'static str),
+    (dtype, name): (KvDtype, &'static str),
     reps: usize,
 ) -> Result<KvResult> {
-    let pool = KvPool::new(layout, tokens * 4);
+    let cfg = KvConfig {
+        dtype: cache,
+        ..KvPool::new(layout, tokens * 4).config()
+    };
+    let pool = KvPool::with_config(layout, cfg);
     let src = filled(&pool, tokens)?;
     let header = header(layout, tokens, dtype);
     let mut times = Times::default();
@@ -119,6 +130,7 @@ fn measure(
     // The first run is a warm-up.
     let ms = |v: Vec<f64>| median(v[1..].to_vec()) * 1e3;
     Ok(KvResult {
+        cache: cache_name,
         dtype: name,
         tokens,
         bytes,
@@ -231,13 +243,17 @@ mod tests {
             n_kv_heads: 1,
             head_dim: 8,
         };
-        let r = measure(layout, 5, KvDtype::F16, "f16", 2).unwrap();
-        let payload = layout.n_layers * layout.layer_bytes(5, KvDtype::F16);
-        assert!(
-            r.bytes > payload && r.bytes < payload + 200,
-            "{} vs {payload}",
-            r.bytes
-        );
-        assert!(r.export_ms >= 0.0 && r.import_ms >= 0.0);
+        for cache in DTYPES {
+            for wire in DTYPES {
+                let r = measure(layout, 5, cache, wire, 2).unwrap();
+                let payload = layout.n_layers * layout.layer_bytes(5, wire.0);
+                assert!(
+                    r.bytes > payload && r.bytes < payload + 200,
+                    "{} vs {payload}",
+                    r.bytes
+                );
+                assert!(r.export_ms >= 0.0 && r.import_ms >= 0.0);
+            }
+        }
     }
 }

@@ -17,7 +17,8 @@ async fn serve(args: Args) -> anyhow::Result<()> {
     let model = Arc::new(tokio::task::spawn_blocking(move || margs.load()).await??);
     let (listener, url) = args.server.bind(args.port).await?;
     let server = build(model.clone(), &args).map_err(anyhow::Error::msg)?;
-    let service = server.service(url, model.fingerprint(), &args.model.weights.to_string());
+    let fingerprint = model.kv_fingerprint(args.kv.kv_cache_dtype.into());
+    let service = server.service(url, fingerprint, &args.model.weights.to_string());
     pdserve_worker::serve(listener, service, &args.server).await?;
     Ok(())
 }

@@ -263,9 +263,12 @@ impl Worker {
     fn header(&self, job: &PrefillJob) -> KvHeader {
         let tokens = (job.cached_tokens, job.prompt_tokens.len() as u32);
         let dtype = self.cfg.kv_dtype.into();
-        self.model
-            .kv_shape()
-            .header(&job.request_id, tokens, job.sampling.seed, dtype)
+        self.model.kv_shape(self.pool.config().dtype).header(
+            &job.request_id,
+            tokens,
+            job.sampling.seed,
+            dtype,
+        )
     }
 
     fn frame(

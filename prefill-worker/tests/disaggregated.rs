@@ -261,6 +261,33 @@ async fn every_cache_and_wire_type_gives_the_aggregated_tokens() {
     }
 }
 
+/// A cache of another element type holds other values for the same
+/// prompt: the decode worker refuses the stream (the fingerprints, which
+/// cover the cache type, differ) instead of mixing the two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caches_of_different_types_do_not_exchange_kv() {
+    let c = cluster_with(&["--kv-cache-dtype", "f32"], &["--kv-dtype", "f32"]).await;
+    let p = prompt(11);
+    // The reservation waits for a good stream until its lease ends.
+    let lease = KvSource::Remote { lease_ms: 500 };
+    let mut resp = generate(&c, "mixed", p.clone(), lease).await;
+    let (url, _, _) = reserved(&mut resp).await;
+    let e = prefill_outcome(prefill(&c, "mixed", p, &url).await)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.class, &e.kind),
+        (ErrorClass::Fatal, &ErrorKind::Mismatch),
+        "{e:?}"
+    );
+    assert!(e.message.contains("model_fingerprint"), "{e:?}");
+    let events = Lines::new(resp).all().await;
+    assert!(
+        matches!(events.last(), Some(GenerateEvent::Error { .. })),
+        "{events:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_decode_worker_is_a_retryable_error() {
     let c = cluster(&["--decode-url", "http://127.0.0.1:9"]).await;

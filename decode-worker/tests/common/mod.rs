@@ -131,9 +131,10 @@ pub fn kv_stream(
     let pool = KvPool::new(model.kv_layout(), 4096);
     let mut kv = pool.allocate(p.len()).unwrap();
     let layout = model.kv_layout();
-    let header = model
-        .kv_shape()
-        .header(id, (0, p.len() as u32), 0, dtype.into());
+    let header =
+        model
+            .kv_shape(pool.config().dtype)
+            .header(id, (0, p.len() as u32), 0, dtype.into());
     let mut out = kvwire::encode_header(&header).unwrap();
     let mut logits = Vec::new();
     for (c, tokens) in p.chunks(chunk).enumerate() {

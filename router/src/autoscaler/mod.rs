@@ -224,13 +224,29 @@ impl Executor for ExportOnly {
     fn scale(&self, _pool: Pool, _desired: usize) {}
 }
 
+/// How often the warning that a pool is held below its desired size may
+/// repeat. A held pool's desire flickers (the policy asks again after each
+/// cooldown), so "once per episode" alone would repeat it every few ticks.
+const HELD_WARN_EVERY: Duration = Duration::from_secs(600);
+
+/// Whether a pool is held below its desired size, and when that was last
+/// logged.
+#[derive(Debug, Default)]
+struct Held {
+    now: bool,
+    warned: Option<Instant>,
+}
+
 /// Moves `pool` to `desired` replicas, or as near as the executor's ceiling
-/// allows; `held` remembers whether the pool is held below its desire, so
-/// the warning comes once per episode, not every tick.
-fn apply(executor: &dyn Executor, pool: Pool, desired: usize, signal: f64, held: &mut bool) {
+/// allows; `held` keeps the warning about a held pool to one per
+/// [`HELD_WARN_EVERY`], not one every tick.
+fn apply(executor: &dyn Executor, pool: Pool, desired: usize, signal: f64, held: &mut Held) {
     let current = executor.current(pool);
     let ceiling = executor.ceiling(pool).max(current);
-    if desired > ceiling && !*held {
+    held.now = desired > ceiling;
+    let quiet = held.warned.is_some_and(|t| t.elapsed() < HELD_WARN_EVERY);
+    if held.now && !quiet {
+        held.warned = Some(Instant::now());
         tracing::warn!(
             ?pool,
             current,
@@ -240,7 +256,6 @@ fn apply(executor: &dyn Executor, pool: Pool, desired: usize, signal: f64, held:
              (lower --worker-threads to leave room)"
         );
     }
-    *held = desired > ceiling;
     let desired = desired.min(ceiling);
     if desired != current {
         tracing::info!(?pool, current, desired, signal, "autoscaling");
@@ -259,9 +274,8 @@ pub fn spawn(
     tokio::spawn(async move {
         let origin = Instant::now();
         let mut policies = [Policy::default(), Policy::default()];
-        // Whether each pool is held below its desired size for want of
-        // cores (logged once per episode, not every tick).
-        let mut held = [false, false];
+        // Whether each pool is held below its desired size for want of cores.
+        let mut held = [Held::default(), Held::default()];
         let configs = [args.policy(Pool::Prefill), args.policy(Pool::Decode)];
         let mut tick =
             tokio::time::interval(Duration::from_millis(args.autoscaler_interval_ms.max(10)));
@@ -333,18 +347,21 @@ mod tests {
     #[test]
     fn a_pool_grows_only_as_far_as_the_executor_has_room() {
         let tight = fake(0);
-        let mut held = false;
+        let mut held = Held::default();
         apply(&tight, Pool::Prefill, 2, 5.0, &mut held);
         assert_eq!(tight.current(Pool::Prefill), 1);
-        assert!(held);
-        // Scaling down is never held.
+        let warned = held.warned.expect("the first hold is logged");
+        assert!(held.now);
+        // Scaling down is never held; a hold again soon after is not logged again.
         apply(&tight, Pool::Decode, 0, 0.0, &mut held);
         assert_eq!(tight.current(Pool::Decode), 0);
-        assert!(!held);
+        assert!(!held.now);
+        apply(&tight, Pool::Prefill, 2, 5.0, &mut held);
+        assert!(held.now && held.warned == Some(warned));
         let roomy = fake(1);
-        let mut held = false;
+        let mut held = Held::default();
         apply(&roomy, Pool::Prefill, 3, 5.0, &mut held);
         assert_eq!(roomy.current(Pool::Prefill), 2);
-        assert!(held);
+        assert!(held.now);
     }
 }

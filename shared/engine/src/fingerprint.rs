@@ -9,6 +9,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 
 use pdserve_text::hash::Fnv64;
 
+use crate::kv::KvDtype;
 use crate::weights::WeightFormat;
 
 pub(crate) fn of_content(content: &Content, format: WeightFormat) -> u64 {
@@ -39,6 +40,18 @@ pub(crate) fn of_content(content: &Content, format: WeightFormat) -> u64 {
         );
     }
     h.write(format.as_str().as_bytes());
+    h.finish()
+}
+
+/// The fingerprint of `model` with a KV cache of `cache`: what workers
+/// register, what KV streams carry and what block hashes chain from. A
+/// cache of another element type holds other values for the same prompt,
+/// so prefill and decode workers pair, and cached blocks match, only when
+/// both the model and the cache type do.
+pub(crate) fn with_kv_cache(model: u64, cache: KvDtype) -> u64 {
+    let mut h = Fnv64::default();
+    h.write(&model.to_le_bytes());
+    h.write(format!("kv-cache:{cache:?}").as_bytes());
     h.finish()
 }
 

@@ -13,13 +13,12 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use half::f16;
 
 use crate::attention::{
     add_rows, attention, rms_norm, swiglu, Heads, Rope, SeqView, PARALLEL_ROWS,
 };
 use crate::error::{EngineError, Result};
-use crate::kv::{Half, KvConfig, KvDtype, KvElem, KvLayout, KvPool, SeqKv};
+use crate::kv::{with_elem, Half, KvConfig, KvDtype, KvElem, KvLayout, KvPool, SeqKv};
 use crate::profile::{Stage, StageClock};
 use crate::threads::{for_rows, Disjoint};
 use crate::weights::{dequantized, Linear, WeightFormat};
@@ -189,9 +188,17 @@ impl Model {
     }
 
     /// Identifies the model file's architecture, tensors and weight format: two
-    /// processes whose fingerprints match compute the same KV.
+    /// processes whose fingerprints match compute the same K and V (which a
+    /// cache then stores in its own element type: [`Model::kv_fingerprint`]).
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
+    }
+
+    /// The fingerprint of this model with a KV cache of `cache`: what a
+    /// worker registers and streams, and what its block hashes chain from
+    /// (see [`crate::fingerprint`]).
+    pub fn kv_fingerprint(&self, cache: KvDtype) -> u64 {
+        crate::fingerprint::with_kv_cache(self.fingerprint, cache)
     }
 
     /// Bytes of weights a decode step reads (all matrices; embeddings excluded,
@@ -246,7 +253,7 @@ impl Model {
             budget_tokens,
             block_tokens,
             prefix_cache,
-            fingerprint: self.fingerprint,
+            fingerprint: self.kv_fingerprint(dtype),
             dtype,
         };
         KvPool::with_config(self.kv_layout(), cfg)
@@ -313,6 +320,13 @@ impl Model {
             if s.tokens.is_empty() {
                 return Err(EngineError::InvalidInput(format!(
                     "segment {i} has no tokens"
+                )));
+            }
+            if s.kv.dtype() != segs[0].kv.dtype() {
+                return Err(EngineError::InvalidInput(format!(
+                    "segment {i}: KV of {:?}, segment 0's of {:?}; one batch reads one cache type",
+                    s.kv.dtype(),
+                    segs[0].kv.dtype()
                 )));
             }
             if s.kv.layout() != self.kv_layout() {
@@ -402,9 +416,9 @@ impl Model {
             offset += n;
         }
         let mut attn = vec![0f32; q.len()];
-        c.time(Stage::Attention, || match segs[0].kv.dtype() {
-            KvDtype::F32 => attend::<f32>(l, &q, segs, rows, self.heads(), &mut attn),
-            KvDtype::F16 => attend::<f16>(l, &q, segs, rows, self.heads(), &mut attn),
+        // `plan` checked that every segment's cache holds one element type.
+        c.time(Stage::Attention, || {
+            with_elem!(segs[0].kv.dtype(), T => attend::<T>(l, &q, segs, rows, self.heads(), &mut attn))
         });
         let o = c.time(Stage::OutMatmul, || layer.wo.forward(&attn, &self.device))?;
         c.time(Stage::Elementwise, || add_rows(x, &o, self.cfg.hidden_size));

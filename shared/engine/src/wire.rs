@@ -50,11 +50,11 @@ impl From<&EngineError> for ErrorBody {
 }
 
 impl crate::Model {
-    /// The model as the KV stream sees it.
-    pub fn kv_shape(&self) -> kvwire::KvShape {
+    /// The model with a KV cache of `cache`, as the KV stream sees it.
+    pub fn kv_shape(&self, cache: KvDtype) -> kvwire::KvShape {
         let layout = self.kv_layout();
         kvwire::KvShape {
-            fingerprint: self.fingerprint(),
+            fingerprint: self.kv_fingerprint(cache),
             n_layers: layout.n_layers as u32,
             n_kv_heads: layout.n_kv_heads as u32,
             head_dim: layout.head_dim as u32,

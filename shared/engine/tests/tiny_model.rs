@@ -51,6 +51,19 @@ fn loads_in_every_format_with_config_from_metadata() {
         .collect();
     assert!(fps[0] != fps[1] && fps[1] != fps[2] && fps[0] != fps[2]);
     assert_eq!(fps[2], load(&path, WeightFormat::F32).fingerprint());
+    // Caches of different types hold different values: neither may pair.
+    let m = load(&path, WeightFormat::Native);
+    let (f16, f32) = (
+        m.kv_fingerprint(KvDtype::F16),
+        m.kv_fingerprint(KvDtype::F32),
+    );
+    assert!(f16 != f32 && f16 != m.fingerprint() && f32 != m.fingerprint());
+    assert_eq!(
+        f16,
+        load(&path, WeightFormat::Native).kv_fingerprint(KvDtype::F16)
+    );
+    let pool = m.kv_pool(64, 16, true, KvDtype::F32);
+    assert_eq!(pool.config().fingerprint, f32, "block hashes chain from it");
 }
 
 #[test]
@@ -369,6 +382,23 @@ fn bad_inputs_are_errors_and_leave_the_kv_untouched() {
     );
     let mut wrong = other.allocate(5).unwrap();
     assert!(m.prefill(&prompt(2), &mut wrong).is_err());
+    // One batch reads one cache type: a mix is refused, not a panic.
+    let wide = m.kv_pool(64, 16, false, KvDtype::F32);
+    let (mut a, mut b) = (pool.allocate(8).unwrap(), wide.allocate(8).unwrap());
+    let (pa, pb) = (prompt(3), prompt(2));
+    let mut segs = [
+        Segment {
+            kv: &mut a,
+            tokens: &pa,
+        },
+        Segment {
+            kv: &mut b,
+            tokens: &pb,
+        },
+    ];
+    let err = m.forward(&mut segs, &mut every_layer).unwrap_err();
+    assert!(matches!(err, EngineError::InvalidInput(_)), "{err}");
+    assert!((a.len(), b.len()) == (0, 0), "nothing was written");
     assert!(matches!(
         Model::load(path.with_extension("missing"), &Default::default()),
         Err(EngineError::Text(pdserve_text::TextError::Io { .. }))

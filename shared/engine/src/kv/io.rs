@@ -1,11 +1,9 @@
 //! A sequence's KV as bytes: the rows of a layer exported for the KV
 //! stream, and imported from it, in f32 or f16. Either is exact when it is
-//! at least the store's own element type.
+//! at least the store's own element type, and a copy of the stored bytes
+//! when it is that type.
 
-use half::f16;
-use half::slice::HalfFloatSliceExt;
-
-use super::elem::KvElem;
+use super::elem::{with_elem, KvElem};
 use super::store::Half;
 use super::{KvDtype, KvError, SeqKv};
 
@@ -18,7 +16,8 @@ impl SeqKv {
     }
 
     /// Appends the rows of positions `start .. start + n` of one half of
-    /// `layer` to `out` as `dtype` bytes.
+    /// `layer` to `out` as `dtype` bytes: copied as they are when `dtype` is
+    /// the store's own type, converted otherwise.
     fn put_rows(
         &self,
         layer: usize,
@@ -28,27 +27,36 @@ impl SeqKv {
         dtype: KvDtype,
         out: &mut Vec<u8>,
     ) {
-        match self.dtype() {
-            KvDtype::F32 => self.put_rows_as::<f32>(layer, half, start, n, dtype, out),
-            KvDtype::F16 => self.put_rows_as::<f16>(layer, half, start, n, dtype, out),
-        }
+        with_elem!(self.dtype(), T => {
+            let mut wide = Vec::new();
+            for rows in self.rows::<T>(layer, half, start, n) {
+                if dtype == T::DTYPE {
+                    T::put_le(rows, out);
+                } else {
+                    wide.resize(rows.len(), 0.0);
+                    T::widen(rows, &mut wide);
+                    write_values(&wide, dtype, out);
+                }
+            }
+        })
     }
 
-    fn put_rows_as<T: KvElem>(
-        &self,
-        layer: usize,
-        half: Half,
-        start: usize,
-        n: usize,
-        dtype: KvDtype,
-        out: &mut Vec<u8>,
-    ) {
-        let mut wide = Vec::new();
-        for rows in self.rows::<T>(layer, half, start, n) {
-            wide.resize(rows.len(), 0.0);
-            T::widen(rows, &mut wide);
-            write_values(&wide, dtype, out);
-        }
+    /// Writes `dtype` bytes as the rows of one half of `layer` from position
+    /// `start` on: copied as they are when `dtype` is the store's own type,
+    /// converted otherwise.
+    fn put_bytes(&mut self, layer: usize, half: Half, start: usize, bytes: &[u8], dtype: KvDtype) {
+        with_elem!(self.dtype(), T => {
+            if dtype != T::DTYPE {
+                return self.write(layer, half, start, &read_values(bytes, dtype));
+            }
+            let n = bytes.len() / (self.layout().row() * dtype.size());
+            let mut at = 0;
+            for dst in self.rows_mut::<T>(layer, half, start, n) {
+                let len = dst.len() * dtype.size();
+                T::get_le(&bytes[at..at + len], dst);
+                at += len;
+            }
+        })
     }
 
     /// Appends K then V of tokens `token_start..token_start + tokens` of `layer`
@@ -137,8 +145,8 @@ impl SeqKv {
                 v.len()
             )));
         }
-        self.write(layer, Half::K, token_start, &read_values(k, dtype));
-        self.write(layer, Half::V, token_start, &read_values(v, dtype));
+        self.put_bytes(layer, Half::K, token_start, k, dtype);
+        self.put_bytes(layer, Half::V, token_start, v, dtype);
         self.layer_len[layer] += tokens;
         Ok(())
     }
@@ -164,35 +172,20 @@ impl SeqKv {
     }
 }
 
-pub(super) fn write_values(src: &[f32], dtype: KvDtype, out: &mut Vec<u8>) {
-    out.reserve(src.len() * dtype.size());
-    match dtype {
-        KvDtype::F32 => src
-            .iter()
-            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-        KvDtype::F16 => {
-            let mut half = vec![f16::ZERO; src.len()];
-            half.convert_from_f32_slice(src);
-            half.iter()
-                .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
-        }
-    }
+fn write_values(src: &[f32], dtype: KvDtype, out: &mut Vec<u8>) {
+    with_elem!(dtype, T => {
+        let mut narrow = vec![T::default(); src.len()];
+        T::narrow(src, &mut narrow);
+        T::put_le(&narrow, out);
+    })
 }
 
-pub(super) fn read_values(bytes: &[u8], dtype: KvDtype) -> Vec<f32> {
-    match dtype {
-        KvDtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        KvDtype::F16 => {
-            let half: Vec<f16> = bytes
-                .chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]))
-                .collect();
-            let mut out = vec![0f32; half.len()];
-            half.convert_to_f32_slice(&mut out);
-            out
-        }
-    }
+fn read_values(bytes: &[u8], dtype: KvDtype) -> Vec<f32> {
+    with_elem!(dtype, T => {
+        let mut narrow = vec![T::default(); bytes.len() / dtype.size()];
+        T::get_le(bytes, &mut narrow);
+        let mut out = vec![0f32; narrow.len()];
+        T::widen(&narrow, &mut out);
+        out
+    })
 }

@@ -26,7 +26,7 @@ pub use blocks::BlockCounts;
 pub use seq::SeqKv;
 
 use blocks::Blocks;
-pub(crate) use elem::KvElem;
+pub(crate) use elem::{with_elem, KvElem};
 use pdserve_protocol::internal::KvReport;
 use pdserve_protocol::prefix::{block_hash, PrefixDigest};
 pub(crate) use store::Half;

@@ -4,9 +4,8 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use half::f16;
-
 use super::blocks::BlockId;
+use super::elem::with_elem;
 use super::elem::KvElem;
 use super::store::Half;
 use super::{KvDtype, KvError, KvLayout, PoolInner};
@@ -165,34 +164,47 @@ impl SeqKv {
     /// Writes `rows` (of `row` floats each) of one half of `layer` from
     /// position `start` on, block by block, in the store's element type.
     pub(super) fn write(&mut self, layer: usize, half: Half, start: usize, rows: &[f32]) {
-        match self.dtype() {
-            KvDtype::F32 => self.write_as::<f32>(layer, half, start, rows),
-            KvDtype::F16 => self.write_as::<f16>(layer, half, start, rows),
-        }
+        let n = rows.len() / self.pool.layout.row();
+        with_elem!(self.dtype(), T => {
+            let mut at = 0;
+            for dst in self.rows_mut::<T>(layer, half, start, n) {
+                T::narrow(&rows[at..at + dst.len()], dst);
+                at += dst.len();
+            }
+        })
     }
 
-    fn write_as<T: KvElem>(&mut self, layer: usize, half: Half, start: usize, rows: &[f32]) {
+    /// The rows of positions `start .. start + n` of one half of `layer`,
+    /// one slice per block, to write. They must lie past the committed
+    /// tokens.
+    pub(super) fn rows_mut<T: KvElem>(
+        &mut self,
+        layer: usize,
+        half: Half,
+        start: usize,
+        n: usize,
+    ) -> Vec<&mut [T]> {
+        assert!(start >= self.len(), "writes go past the committed tokens");
         let (b, row) = (self.block_tokens(), self.pool.layout.row());
-        let mut pos = start;
-        for chunk in Chunks::new(rows.len() / row, start, b) {
-            let block = self.blocks[chunk.block];
-            // SAFETY: positions from `len` on are in this sequence's
-            // exclusive blocks (the type's invariant), and `&mut self` keeps
-            // anyone else from writing through this sequence meanwhile.
-            let dst = unsafe { self.pool.store.block_mut::<T>(layer, half, block) };
-            let src = &rows[(pos - start) * row..(pos - start + chunk.n) * row];
-            T::narrow(
-                src,
-                &mut dst[chunk.slot * row..(chunk.slot + chunk.n) * row],
-            );
-            pos += chunk.n;
-        }
+        Chunks::new(n, start, b)
+            .map(|c| {
+                // SAFETY: positions from `len` on are in this sequence's
+                // exclusive blocks (the type's invariant), each chunk is in
+                // a different block, and `&mut self` keeps anyone else from
+                // writing through this sequence while the slices live.
+                let block = unsafe {
+                    self.pool
+                        .store
+                        .block_mut::<T>(layer, half, self.blocks[c.block])
+                };
+                &mut block[c.slot * row..(c.slot + c.n) * row]
+            })
+            .collect()
     }
 
     /// Appends K and V rows for new tokens to one layer (room checked by the caller).
     pub(crate) fn append(&mut self, layer: usize, k_rows: &[f32], v_rows: &[f32]) {
         let start = self.layer_len[layer];
-        debug_assert!(start >= self.len(), "writes go past the committed tokens");
         self.write(layer, Half::K, start, k_rows);
         self.write(layer, Half::V, start, v_rows);
         self.layer_len[layer] += k_rows.len() / self.pool.layout.row();

@@ -199,8 +199,14 @@ async fn deliver<B: PrefillBackend>(
     let (computed, uploaded) = tokio::join!(reply, uploading);
     let computed = computed.map_err(|_| {
         ErrorBody::retryable(ErrorKind::EngineStopped, "the prefill engine stopped")
-    })??;
-    let acked = uploaded?;
+    })?;
+    let (computed, acked) = match (computed, uploaded) {
+        (Ok(c), Ok(acked)) => (c, acked),
+        // The engine stopped because the upload did: the upload's error
+        // says why (the decode worker's own answer, when it refused).
+        (Err(e), Err(upload)) if e.kind == ErrorKind::KvUploadFailed => return Err(upload),
+        (Err(e), _) | (Ok(_), Err(e)) => return Err(e),
+    };
     let m = &server.metrics;
     m.kv_transfer_seconds
         .observe((acked - upload_started).as_secs_f64());
