@@ -148,6 +148,7 @@ pub async fn serve(
     shutdown::cancel_on_signal(token.clone());
     let internal = args.auth.token();
     internal.warn_if_unset("worker");
+    let load = service.load.clone();
     let registered = registration::start(
         &args.registration,
         &internal,
@@ -163,6 +164,13 @@ pub async fn serve(
     shutdown::serve(listener, service.app, token, drain).await?;
     // The deregistration starts with the drain; let it reach the router.
     registration::finish(registered).await;
-    tracing::info!("stopped");
+    // What it still holds as it exits: nothing, after a full drain.
+    let last = load();
+    tracing::info!(
+        active_sequences = last.active_sequences,
+        queued_requests = last.queued_requests,
+        kv_used_tokens = last.kv_used_tokens,
+        "stopped"
+    );
     Ok(())
 }
