@@ -395,9 +395,10 @@ def alert_exprs():
 
 
 def shell_scripts():
-    """The Slurm scripts, up.sh, make-token.sh and the validation script parse
+    """The Slurm and Docker scripts, up.sh, make-token.sh and the validation script parse
     (`bash -n`), and pass shellcheck when it is installed."""
     for script in (DEPLOY / "slurm" / "pdserve.sbatch", DEPLOY / "slurm" / "e2e.sh",
+                   DEPLOY / "docker" / "e2e.sh",
                    DEPLOY / "local" / "up.sh",
                    K8S / "make-token.sh", DEPLOY / "validate.sh"):
         r = run(["bash", "-n", str(script)])
