@@ -23,13 +23,10 @@ MODEL_FILE="SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE="${PDSERVE_DOCKER_CACHE:-$HOME/.cache/pdserve/docker}"
 REQUESTS="${REQUESTS:-4}"
 D="$(mktemp -d "${TMPDIR:-/tmp}/pdserve-docker.XXXXXX")"
-DOCKERD_PID=""
+# shellcheck source=deploy/docker/lib.sh
+source "$ROOT/deploy/docker/lib.sh"
 
 log() { echo "docker-e2e: $*" >&2; }
-# The client of Debian's docker.io, which builds with the daemon's own
-# BuildKit; a newer client elsewhere in PATH would want the buildx plugin.
-DOCKER="${DOCKER:-/usr/bin/docker}"
-dk() { "$DOCKER" -H "unix://$D/docker.sock" "$@"; }
 fail() {
     log "FAILED: $*"
     for c in router prefill decode; do
@@ -43,15 +40,8 @@ cleanup() {
     local rc=$?
     if [[ -n "$DOCKERD_PID" ]]; then
         dk rm -f pd-router pd-prefill pd-decode >/dev/null 2>&1 || true
-        kill "$DOCKERD_PID" 2>/dev/null || true
-        for _ in $(seq 100); do
-            kill -0 "$DOCKERD_PID" 2>/dev/null || break
-            sleep 0.1
-        done
-        kill -9 "$DOCKERD_PID" 2>/dev/null || true
     fi
-    # Whatever dockerd left mounted under its roots.
-    grep -o " $D/[^ ]*" /proc/mounts | sort -r | xargs -r -n1 umount -l 2>/dev/null || true
+    stop_dockerd
     rm -rf "$D" 2>/dev/null || true
     exit "$rc"
 }
@@ -62,47 +52,10 @@ for b in pdserve-router pdserve-prefill pdserve-decode; do
     [[ -x "$BIN/$b" ]] || { log "no $BIN/$b: run cargo build --release first"; exit 1; }
 done
 [[ -f "$MODEL_DIR/$MODEL_FILE" ]] || "$ROOT/deploy/local/fetch-model.sh"
-if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
-    log "installing docker.io and debootstrap"
-    apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io debootstrap >/dev/null
-fi
+install_docker
 
-dockerd --data-root "$D/root" --exec-root "$D/exec" -H "unix://$D/docker.sock" \
-    --pidfile "$D/dockerd.pid" --bridge=none --iptables=false >"$D/dockerd.log" 2>&1 &
-DOCKERD_PID=$!
-for _ in $(seq 100); do
-    dk info >/dev/null 2>&1 && break
-    sleep 0.2
-done
-dk info >/dev/null 2>&1 || { tail -20 "$D/dockerd.log" >&2; fail "dockerd did not start"; }
-
-# The base: Debian's minimal bootstrap, made once and cached.
-BASE_TAR="$CACHE/debian-bookworm-minbase.tar"
-if [[ ! -s "$BASE_TAR" ]]; then
-    log "debootstrap --variant=minbase bookworm (once; about a minute)"
-    mkdir -p "$CACHE"
-    mirror="$(sed -n 's/^URIs: *\([^ ]*debian\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)"
-    debootstrap --variant=minbase bookworm "$D/rootfs" "${mirror:-http://deb.debian.org/debian}" >"$D/debootstrap.log" 2>&1 ||
-        { tail -20 "$D/debootstrap.log" >&2; fail "debootstrap failed"; }
-    tar -C "$D/rootfs" -cf "$BASE_TAR.part" . && mv "$BASE_TAR.part" "$BASE_TAR"
-    rm -rf "$D/rootfs"
-fi
-dk import "$BASE_TAR" local/debian:bookworm >/dev/null
-
-# The build context: the fetch script and the binaries (BINARIES=prebuilt).
-mkdir -p "$D/ctx/prebuilt" "$D/ctx/deploy/local"
-cp "$ROOT/deploy/local/fetch-model.sh" "$D/ctx/deploy/local/"
-cp "$BIN"/pdserve-router "$BIN"/pdserve-prefill "$BIN"/pdserve-decode "$D/ctx/prebuilt/"
-# The release profile keeps debug info for profiling; the image needs none.
-if command -v strip >/dev/null; then strip --strip-debug "$D"/ctx/prebuilt/*; fi
-started=$SECONDS
-DOCKER_BUILDKIT=1 dk build --network host -f "$ROOT/deploy/docker/Dockerfile" \
-    --build-arg BASE_IMAGE=local/debian:bookworm --build-arg BINARIES=prebuilt \
-    -t pdserve:e2e "$D/ctx" >"$D/build.log" 2>&1 || { tail -30 "$D/build.log" >&2; fail "docker build failed"; }
-size="$(dk image inspect pdserve:e2e --format '{{.Size}}')"
-log "image pdserve:e2e built in $((SECONDS - started)) s: $((size / 1000000)) MB"
-
+start_dockerd
+build_image
 # The internal token, readable by the image's user (uid 10001) only.
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$D/token"
 chown 10001 "$D/token" && chmod 400 "$D/token"
