@@ -330,6 +330,66 @@ def check_router_policy(overlay, pool, spec, env):
           f"router {got} {target_var}={env.get(target_var)}; ScaledObject {want} threshold={first}")
 
 
+def quantity(q):
+    """A Kubernetes quantity or a KEDA threshold as a number ("700m" -> 0.7)."""
+    q = str(q)
+    return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+def hpa_spec_of(so):
+    """The autoscaling/v2 spec KEDA makes of a ScaledObject of Prometheus
+    triggers: the same bounds and behaviour, one External metric per trigger
+    (KEDA's metrics adapter serves the query's value under the trigger's name)."""
+    spec = so["spec"]
+    metrics = []
+    for t in spec["triggers"]:
+        kind = t.get("metricType", "AverageValue")
+        target = {"type": kind, {"AverageValue": "averageValue", "Value": "value"}[kind]: quantity(t["metadata"]["threshold"])}
+        metrics.append({"type": "External", "external": {"metric": {"name": t["name"]}, "target": target}})
+    return {
+        "scaleTargetRef": spec["scaleTargetRef"],
+        # KEDA keeps the HPA at one replica at least and does 0 <-> 1 itself.
+        "minReplicas": max(1, spec.get("minReplicaCount", 0)),
+        "maxReplicas": spec["maxReplicaCount"],
+        "metrics": metrics,
+        "behavior": spec.get("advanced", {}).get("horizontalPodAutoscalerConfig", {}).get("behavior"),
+    }
+
+
+def normalised_hpa_spec(hpa):
+    spec = copy.deepcopy(hpa["spec"])
+    for m in spec.get("metrics", []):
+        target = m.get("external", {}).get("target", {})
+        for key in ("averageValue", "value"):
+            if key in target:
+                target[key] = quantity(target[key])
+    return spec
+
+
+def check_local_e2e(kubectl, work, base_docs):
+    """deploy/k8s/local-e2e, the overlay deploy/k8s/e2e.sh applies to a live
+    Kubernetes 1.20: it renders, every object uses an API 1.20 serves, and
+    its HPA (in place of KEDA) is exactly what KEDA makes of the base's
+    ScaledObject for decode."""
+    r = run([kubectl, "kustomize", str(work / "k8s" / "local-e2e")])
+    if not check("kustomize renders local-e2e", r.returncode == 0, r.stderr.strip()):
+        return
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    # The schema package starts at 1.25, and autoscaling/v2beta2 is gone
+    # since 1.26: the live run checks the objects; this checks that each
+    # uses a group version Kubernetes 1.20 serves.
+    served = {"v1", "apps/v1", "autoscaling/v1", "autoscaling/v2beta2", "networking.k8s.io/v1"}
+    for doc in docs:
+        name = f"local-e2e: {doc['kind']}/{doc['metadata']['name']}"
+        check(f"{name} uses an API version 1.20 serves", doc["apiVersion"] in served, doc["apiVersion"])
+    hpas = {d["metadata"]["name"]: d for d in docs if d["kind"] == "HorizontalPodAutoscaler"}
+    scaled = {d["metadata"]["name"]: d for d in base_docs if d["kind"] == "ScaledObject"}
+    if check("local-e2e: an HPA for decode and a base ScaledObject for it", "decode" in hpas and "decode" in scaled):
+        got, want = normalised_hpa_spec(hpas["decode"]), hpa_spec_of(scaled["decode"])
+        check("local-e2e: HPA/decode is what KEDA makes of ScaledObject/decode", got == want,
+              f"HPA {json.dumps(got, sort_keys=True)} != KEDA {json.dumps(want, sort_keys=True)}")
+
+
 # ---- Prometheus ---------------------------------------------------------------
 
 def promtool_checks(work):
@@ -398,7 +458,8 @@ def shell_scripts():
     """The Slurm and Docker scripts, up.sh, make-token.sh and the validation script parse
     (`bash -n`), and pass shellcheck when it is installed."""
     for script in (DEPLOY / "slurm" / "pdserve.sbatch", DEPLOY / "slurm" / "e2e.sh",
-                   DEPLOY / "docker" / "e2e.sh",
+                   DEPLOY / "docker" / "e2e.sh", DEPLOY / "docker" / "lib.sh",
+                   K8S / "e2e.sh", K8S / "build-1.20.sh",
                    DEPLOY / "local" / "up.sh",
                    K8S / "make-token.sh", DEPLOY / "validate.sh"):
         r = run(["bash", "-n", str(script)])
@@ -416,6 +477,7 @@ def static(kubectl):
         work = Path(tmp)
         rendered = render_all(kubectl, work)
         validate_objects(rendered)
+        check_local_e2e(kubectl, work, rendered.get("base", []))
         promtool_checks(work)
         dash = dashboard_exprs()
         scaled = [t["metadata"]["query"] for docs in rendered.values() for d in docs
