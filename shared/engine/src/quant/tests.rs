@@ -123,6 +123,49 @@ fn every_available_path_equals_the_scalar_path_bit_for_bit() {
     }
 }
 
+/// The integer sums' worst case: every quant at its largest magnitude
+/// (4-bit 15, 8-bit −128) against activations of ±127, where a 16-bit pair
+/// sum that overflowed or saturated would show.
+#[test]
+fn extreme_quants_give_the_same_bits_on_every_path() {
+    let (rows, cols) = (8, 576);
+    let paths: Vec<Kernel> = Kernel::ALL.into_iter().filter(|k| k.available()).collect();
+    for kind in KINDS {
+        let mut data = Vec::new();
+        for _ in 0..rows * cols / QK {
+            data.extend_from_slice(&f16::from_f32(0.01).to_le_bytes());
+            if kind == BlockKind::Q4_1 {
+                data.extend_from_slice(&f16::from_f32(-0.05).to_le_bytes());
+            }
+            let q = match kind.is_q4() {
+                true => 0xff,
+                false => 0x80,
+            };
+            data.extend(std::iter::repeat_n(q, kind.qs_bytes()));
+        }
+        let w = QMatrix::from_blocks(kind, rows, cols, &data).unwrap();
+        for sign in [1.0f32, -1.0] {
+            // Each block's largest value is its every value: all quantize to ±127.
+            let x = vec![sign * 2.5; 5 * cols];
+            let want = w.matmul_with(Kernel::Scalar, &x);
+            let wd = dequantized(kind, rows, cols, &data);
+            let exact: f32 = wd[..cols].iter().map(|v| v * sign * 2.5).sum();
+            assert!(
+                (want[0] - exact).abs() <= 1e-3 * exact.abs().max(1.0),
+                "{kind:?}: scalar {} vs exact {exact}",
+                want[0]
+            );
+            for &k in &paths {
+                let got = w.matmul_with(k, &x);
+                assert!(
+                    got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{k} differs from scalar at the extremes: {kind:?}, sign {sign}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn a_row_gives_the_same_bits_alone_or_in_any_batch() {
     let mut rng = Rng(7);
