@@ -6,6 +6,7 @@ mod chaos;
 mod engine_bench;
 mod kv_bench;
 mod run;
+mod simulate;
 
 use clap::{Parser, Subcommand};
 
@@ -29,6 +30,9 @@ enum Command {
     Chaos(chaos::ChaosArgs),
     /// Benchmark several short prompts in one forward pass against one by one.
     PrefillBatch(batch_bench::BatchArgs),
+    /// Offer `run`'s load to a simulated cluster (router, policies, both
+    /// pools) driven by a latency model; the same report as `run`.
+    Simulate(Box<simulate::SimArgs>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -48,5 +52,6 @@ fn main() -> anyhow::Result<()> {
         Command::Engine(args) => engine_bench::run(args),
         Command::Kv(args) => kv_bench::run(args),
         Command::PrefillBatch(args) => batch_bench::run(args),
+        Command::Simulate(args) => simulate::run(*args).map(|_| ()),
     }
 }

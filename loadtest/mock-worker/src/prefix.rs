@@ -12,6 +12,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard};
 
+use pdserve_protocol::hash::Prehashed;
 use pdserve_protocol::internal::KvReport;
 use pdserve_protocol::prefix::{block_hashes, PrefixDigest};
 use pdserve_worker::kv::KvArgs;
@@ -19,7 +20,7 @@ use pdserve_worker::kv::KvArgs;
 #[derive(Debug, Default)]
 struct Inner {
     /// Block hash → its stamp in `lru`.
-    stamps: HashMap<u64, u64>,
+    stamps: HashMap<u64, u64, Prehashed>,
     /// Stamp → block hash, oldest first.
     lru: BTreeMap<u64, u64>,
     clock: u64,
@@ -78,13 +79,25 @@ impl PrefixCache {
     /// Leading tokens of `prompt` the cache holds (whole blocks, at most
     /// all but the last token), marked used; counted as a query and a hit.
     pub fn lookup(&self, prompt: &[u32]) -> usize {
+        let usable = &prompt[..prompt.len().saturating_sub(1)];
+        let hashes = match self.on {
+            true => block_hashes(usable, self.block_tokens, self.seed),
+            false => Vec::new(),
+        };
+        self.lookup_hashed(prompt.len(), &hashes)
+    }
+
+    /// [`Self::lookup`] of a prompt of `len` tokens whose full blocks hash
+    /// to `hashes` (more than the usable ones may be given): for a caller
+    /// that hashes each prompt once.
+    pub fn lookup_hashed(&self, len: usize, hashes: &[u64]) -> usize {
         if !self.on {
             return 0;
         }
-        let usable = &prompt[..prompt.len().saturating_sub(1)];
+        let usable = len.saturating_sub(1) / self.block_tokens;
         let mut inner = self.inner();
         let mut found = 0;
-        for h in block_hashes(usable, self.block_tokens, self.seed) {
+        for &h in hashes.iter().take(usable) {
             if !inner.stamps.contains_key(&h) {
                 break;
             }
@@ -92,7 +105,7 @@ impl PrefixCache {
             found += 1;
         }
         let hit = found * self.block_tokens;
-        inner.queried += prompt.len() as u64;
+        inner.queried += len as u64;
         inner.hits += hit as u64;
         hit
     }
@@ -100,11 +113,28 @@ impl PrefixCache {
     /// Adds the full blocks of `tokens`, evicting the least recently used
     /// beyond the capacity.
     pub fn insert(&self, tokens: &[u32]) {
+        self.insert_with(tokens, |_, _| {});
+    }
+
+    /// [`Self::insert`], telling `changed` of each block hash that enters
+    /// (`true`) or leaves (`false`) the cache: the store and evict events a
+    /// simulated router follows instead of re-reading the whole digest.
+    pub fn insert_with(&self, tokens: &[u32], changed: impl FnMut(u64, bool)) {
+        if self.on {
+            self.insert_hashed(&block_hashes(tokens, self.block_tokens, self.seed), changed);
+        }
+    }
+
+    /// [`Self::insert_with`] of the blocks hashed `hashes`.
+    pub fn insert_hashed(&self, hashes: &[u64], mut changed: impl FnMut(u64, bool)) {
         if !self.on {
             return;
         }
         let mut inner = self.inner();
-        for h in block_hashes(tokens, self.block_tokens, self.seed) {
+        for &h in hashes {
+            if !inner.stamps.contains_key(&h) {
+                changed(h, true);
+            }
             inner.touch(h);
         }
         while inner.stamps.len() > self.capacity_blocks {
@@ -113,6 +143,7 @@ impl PrefixCache {
             };
             inner.stamps.remove(&h);
             inner.evictions += 1;
+            changed(h, false);
         }
     }
 
@@ -185,11 +216,22 @@ mod tests {
         let c = cache(8, Switch::On);
         let a: Vec<u32> = (0..9).collect();
         let b: Vec<u32> = (100..109).collect();
-        c.insert(&a);
-        c.insert(&b);
+        let mut events = Vec::new();
+        c.insert_with(&a, |h, present| events.push((h, present)));
+        c.insert_with(&b, |h, present| events.push((h, present)));
         assert_eq!(c.lookup(&a), 0, "a's blocks were evicted for b's");
         assert_eq!(c.lookup(&b), 8);
         assert_eq!(c.report(0, 8).evictions, 2);
+        let (ha, hb) = (block_hashes(&a, 4, 9), block_hashes(&b, 4, 9));
+        let stored = |h: &[u64]| h.iter().map(|&h| (h, true)).collect::<Vec<_>>();
+        let evicted = ha.iter().map(|&h| (h, false));
+        let want: Vec<_> = stored(&ha)
+            .into_iter()
+            .chain(stored(&hb))
+            .chain(evicted)
+            .collect();
+        assert_eq!(events, want, "every store and every eviction, in order");
+        c.insert_with(&b, |h, present| panic!("{h} {present}: nothing changed"));
     }
 
     #[test]

@@ -1,15 +1,15 @@
 //! `pdserve-loadtest run`: load against one or more OpenAI-compatible
 //! servers, with percentile reports, goodput, JSON and plots.
 
-mod arrivals;
-mod client;
+pub(crate) mod arrivals;
+pub(crate) mod client;
 mod plots;
 mod procs;
-mod report;
-mod runner;
+pub(crate) mod report;
+pub(crate) mod runner;
 mod scrape;
 pub mod stats;
-mod workload;
+pub(crate) mod workload;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -146,10 +146,13 @@ pub struct RunReport {
     /// Each sampled series over the load (after the warm-up).
     pub trends: stats::Trends,
     pub leak_check: Option<scrape::LeakCheck>,
+    /// `simulate`: each point's simulated and wall time and event counts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub simulation: Option<serde_json::Value>,
 }
 
 impl RunArgs {
-    fn check(&self) -> anyhow::Result<()> {
+    pub(crate) fn check(&self) -> anyhow::Result<()> {
         if self.rate.is_none() && self.concurrency.is_none() {
             bail!("give --rate (open loop) or --concurrency (closed loop)");
         }
@@ -168,7 +171,7 @@ impl RunArgs {
         self.monitor.check()
     }
 
-    fn points(&self) -> Vec<(Load, &'static str, f64)> {
+    pub(crate) fn points(&self) -> Vec<(Load, &'static str, f64)> {
         let open = self.rate.is_some();
         let values = match self.sweep.is_empty() {
             true => vec![self
@@ -192,7 +195,7 @@ impl RunArgs {
     }
 
     /// Workload items needed per target at one point.
-    fn items_needed(&self, load: Load) -> usize {
+    pub(crate) fn items_needed(&self, load: Load) -> usize {
         if let Some(n) = self.requests {
             return n;
         }
@@ -390,6 +393,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<RunReport> {
         trends: stats::trends(&monitored.samples, trend_start, load_end),
         scrape: monitored.samples,
         leak_check: monitored.leak_check,
+        simulation: None,
     };
     report::print_monitoring(&report);
     write_outputs(&args, &report)?;
@@ -414,7 +418,7 @@ fn http_client() -> reqwest::Result<reqwest::Client> {
 }
 
 /// Seconds since the Unix epoch (0 if the clock is before it).
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -470,7 +474,7 @@ fn target_results(
 }
 
 /// Writes the JSON (`--json`) and the Markdown report (`--report`) asked for.
-fn write_outputs(args: &RunArgs, report: &RunReport) -> anyhow::Result<()> {
+pub(crate) fn write_outputs(args: &RunArgs, report: &RunReport) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_vec_pretty(report)?)
             .with_context(|| format!("writing {}", path.display()))?;

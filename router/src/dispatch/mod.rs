@@ -247,6 +247,7 @@ impl Dispatcher {
             prompt_tokens: req.prompt.len() as u64,
             reserve_tokens: (req.prompt.len() + req.sampling.max_tokens as usize) as u64,
             prompt: &req.prompt,
+            known_cached: None,
         };
         self.check_fits(info.reserve_tokens)?;
         let mut tried: Vec<String> = req.avoid_decode.iter().cloned().collect();
@@ -458,6 +459,7 @@ impl Dispatcher {
             prompt_tokens: job.prompt_tokens.len() as u64,
             reserve_tokens: 0,
             prompt: &job.prompt_tokens,
+            known_cached: None,
         };
         let mut tried = Vec::new();
         let mut last = ApiError::NoWorker(Pool::Prefill);

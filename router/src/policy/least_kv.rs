@@ -47,6 +47,7 @@ mod tests {
             prompt_tokens: 0,
             reserve_tokens: t,
             prompt: &[],
+            known_cached: None,
         };
         assert_eq!(LeastKv.select(&ws, &req(50)), Some(1));
         // Nothing fits 600: the one with the most free KV.

@@ -25,6 +25,14 @@ pub struct RequestInfo<'a> {
     pub reserve_tokens: u64,
     /// The prompt, matched against the workers' prefix caches.
     pub prompt: &'a [u32],
+    /// Leading prompt tokens each worker (by its index in the slice the
+    /// policy is given) holds by its last digest, when the caller already
+    /// knows them from an index over every digest; `None`: the policy
+    /// matches the prompt against each worker's digest itself. Either way
+    /// the choice is the same; the index makes it cost the workers that
+    /// hold the prompt's first block instead of every worker (the
+    /// simulator's thousand-worker pools).
+    pub known_cached: Option<&'a [u64]>,
 }
 
 pub trait Policy: Send + Sync {

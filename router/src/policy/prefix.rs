@@ -48,29 +48,11 @@ impl PrefixAware {
         Self { pool, tuning }
     }
 
-    /// Whether the loads are so uneven that balancing beats cache affinity.
-    fn imbalanced(&self, loads: &[u64]) -> bool {
-        let (Some(&min), Some(&max)) = (loads.iter().min(), loads.iter().max()) else {
-            return false;
-        };
-        max - min > self.tuning.balance_abs_tokens
+    /// Whether loads from `min` to `max` are so uneven that balancing
+    /// beats cache affinity.
+    fn imbalanced(&self, min: u64, max: u64) -> bool {
+        max.saturating_sub(min) > self.tuning.balance_abs_tokens
             && max as f64 > min as f64 * self.tuning.balance_rel
-    }
-
-    /// Workers that may take the request: for decode, those with room for
-    /// the reservation (all of them when none has).
-    fn eligible(&self, workers: &[WorkerView], req: &RequestInfo) -> Vec<usize> {
-        let all = (0..workers.len()).collect();
-        if self.pool == Pool::Prefill {
-            return all;
-        }
-        let fits: Vec<usize> = (0..workers.len())
-            .filter(|&i| free_kv(&workers[i]) >= req.reserve_tokens)
-            .collect();
-        match fits.is_empty() {
-            true => all,
-            false => fits,
-        }
     }
 }
 
@@ -120,37 +102,41 @@ impl Policy for PrefixAware {
         "prefix"
     }
 
+    /// Two passes over the workers and no allocation: this runs for every
+    /// request, over pools of up to thousands of workers.
     fn select(&self, workers: &[WorkerView], req: &RequestInfo) -> Option<usize> {
-        let eligible = self.eligible(workers, req);
-        let loads: Vec<u64> = eligible
-            .iter()
-            .map(|&i| cost(self.pool, &workers[i]))
-            .collect();
-        let least_loaded = || {
-            let k = (0..eligible.len())
-                .min_by_key(|&k| (loads[k], workers[eligible[k]].load.active_sequences));
-            k.map(|k| eligible[k])
-        };
-        if req.prompt.is_empty() || self.imbalanced(&loads) {
-            return least_loaded();
+        // Workers that may take the request: for decode, those with room
+        // for the reservation (all of them when none has).
+        let fits = |w: &WorkerView| self.pool == Pool::Prefill || free_kv(w) >= req.reserve_tokens;
+        let any_fits = workers.iter().any(fits);
+        let eligible = move || (0..workers.len()).filter(move |&i| !any_fits || fits(&workers[i]));
+        let load = |i: usize| cost(self.pool, &workers[i]);
+        let (mut min, mut max) = (u64::MAX, 0);
+        for c in eligible().map(load) {
+            (min, max) = (min.min(c), max.max(c));
+        }
+        if req.prompt.is_empty() || self.imbalanced(min, max) {
+            return eligible().min_by_key(|&i| (load(i), workers[i].load.active_sequences));
         }
         let prompt = req.prompt.len() as u64;
         let mut blocks = PromptBlocks::new(req.prompt);
-        let score = |k: usize| {
-            let w = &workers[eligible[k]];
+        let mut best: Option<((f64, u64), usize)> = None;
+        for i in eligible() {
+            let w = &workers[i];
             let block = w.prefix.as_ref().map_or(16, |s| s.block_tokens.max(1)) as f64;
-            let uncached = (prompt - blocks.cached_tokens(w)) as f64 / block;
-            self.tuning.weight * uncached.ceil() + loads[k] as f64 / block
-        };
-        let scores: Vec<f64> = (0..eligible.len()).map(score).collect();
-        (0..eligible.len())
-            .min_by(|&a, &b| {
-                let key = |k: usize| (scores[k], workers[eligible[k]].load.active_sequences);
-                key(a)
-                    .partial_cmp(&key(b))
-                    .unwrap_or(std::cmp::Ordering::Equal)
-            })
-            .map(|k| eligible[k])
+            let cached = match req.known_cached {
+                Some(known) => known.get(i).copied().unwrap_or(0).min(prompt),
+                None => blocks.cached_tokens(w),
+            };
+            let uncached = (prompt - cached) as f64 / block;
+            let score = self.tuning.weight * uncached.ceil() + load(i) as f64 / block;
+            let key = (score, w.load.active_sequences);
+            // The first of equal keys wins (as `min_by` would choose).
+            if best.is_none_or(|(b, _)| key.partial_cmp(&b) == Some(std::cmp::Ordering::Less)) {
+                best = Some((key, i));
+            }
+        }
+        best.map(|(_, i)| i)
     }
 }
 
@@ -177,6 +163,7 @@ mod tests {
             prompt_tokens: prompt.len() as u64,
             reserve_tokens: prompt.len() as u64 + 32,
             prompt,
+            known_cached: None,
         }
     }
 
@@ -192,6 +179,38 @@ mod tests {
         assert_eq!(p.select(&ws, &info(&prompt)), Some(1));
         // ...1100 (69 blocks) do.
         let ws = vec![holding("a", &prompt, 0, 0), holding("b", &prompt, 60, 1100)];
+        assert_eq!(p.select(&ws, &info(&prompt)), Some(0));
+    }
+
+    #[test]
+    fn known_cached_tokens_choose_as_the_digests_would() {
+        let prompt: Vec<u32> = (0..1000).collect();
+        let p = PrefixAware::new(Pool::Prefill, PrefixTuning::default());
+        for (b_blocks, b_queued) in [(60, 900), (60, 1100), (10, 0), (0, 0)] {
+            let ws = vec![
+                holding("a", &prompt, 0, 0),
+                holding("b", &prompt, b_blocks, b_queued),
+                holding("c", &prompt, b_blocks / 2, 0),
+            ];
+            let known: Vec<u64> = ws.iter().map(|w| cached_tokens(w, &prompt)).collect();
+            let given = RequestInfo {
+                known_cached: Some(&known),
+                ..info(&prompt)
+            };
+            let case = format!("b holds {b_blocks} blocks, {b_queued} queued");
+            assert_eq!(
+                p.select(&ws, &given),
+                p.select(&ws, &info(&prompt)),
+                "{case}"
+            );
+        }
+        // What is given is what counts: no digest, but b is said to hold 960.
+        let ws = vec![worker("a", 0, 0, 100_000), worker("b", 0, 0, 100_000)];
+        let given = RequestInfo {
+            known_cached: Some(&[0, 960]),
+            ..info(&prompt)
+        };
+        assert_eq!(p.select(&ws, &given), Some(1));
         assert_eq!(p.select(&ws, &info(&prompt)), Some(0));
     }
 

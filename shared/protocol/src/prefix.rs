@@ -17,7 +17,7 @@ use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 
-use crate::hash::Fnv64;
+use crate::hash::{Fnv64, Prehashed};
 
 /// Most blocks one digest lists; a worker holding more lists those it holds
 /// for running sequences first, then its most recently used cached ones.
@@ -116,7 +116,7 @@ impl PrefixDigest {
         if n > MAX_DIGEST_BLOCKS {
             return Err(DigestError::TooMany(n));
         }
-        let mut keys = HashSet::with_capacity(n);
+        let mut keys = HashSet::with_capacity_and_hasher(n, Prehashed::default());
         for chunk in bytes.chunks_exact(HEX_PER_BLOCK) {
             let s = std::str::from_utf8(chunk).map_err(|_| DigestError::BadBlocks)?;
             keys.insert(u32::from_str_radix(s, 16).map_err(|_| DigestError::BadBlocks)?);
@@ -134,10 +134,39 @@ impl PrefixDigest {
 pub struct PrefixSet {
     pub block_tokens: u32,
     pub seed: u64,
-    keys: HashSet<u32>,
+    keys: HashSet<u32, Prehashed>,
 }
 
 impl PrefixSet {
+    /// The set a digest of the blocks hashed `hashes` parses to (at most
+    /// [`MAX_DIGEST_BLOCKS`], as [`PrefixDigest::new`] lists), without the
+    /// text in between: for a simulated router that sees a worker's cache.
+    pub fn from_hashes(
+        block_tokens: u32,
+        seed: u64,
+        hashes: impl IntoIterator<Item = u64>,
+    ) -> Self {
+        Self {
+            block_tokens,
+            seed,
+            keys: hashes
+                .into_iter()
+                .take(MAX_DIGEST_BLOCKS)
+                .map(digest_key)
+                .collect(),
+        }
+    }
+
+    /// Adds (`present`) or removes the block hashed `hash`, and tells
+    /// whether the set changed: a simulated router's copy of a worker's
+    /// digest, kept as its blocks come and go.
+    pub fn update(&mut self, hash: u64, present: bool) -> bool {
+        match present {
+            true => self.keys.insert(digest_key(hash)),
+            false => self.keys.remove(&digest_key(hash)),
+        }
+    }
+
     /// Blocks in the set.
     pub fn len(&self) -> usize {
         self.keys.len()
@@ -198,6 +227,9 @@ mod tests {
             2,
             "block 2 is missing, so block 3 does not count"
         );
+        let mut built = PrefixSet::from_hashes(16, 3, [ha[0], ha[1], ha[2], ha[3]]);
+        assert!(built.update(ha[2], false) && !built.update(ha[2], false));
+        assert_eq!(set, built);
         let mut b = a.clone();
         b[0] = 99;
         assert_eq!(set.leading_blocks(&block_hashes(&b, 16, 3)), 0);
