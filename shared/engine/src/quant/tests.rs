@@ -158,7 +158,9 @@ fn extreme_quants_give_the_same_bits_on_every_path() {
             for &k in &paths {
                 let got = w.matmul_with(k, &x);
                 assert!(
-                    got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{k} differs from scalar at the extremes: {kind:?}, sign {sign}"
                 );
             }
