@@ -5,6 +5,7 @@ mod batch_bench;
 mod chaos;
 mod engine_bench;
 mod kv_bench;
+mod plan;
 mod run;
 mod simulate;
 
@@ -33,6 +34,9 @@ enum Command {
     /// Offer `run`'s load to a simulated cluster (router, policies, both
     /// pools) driven by a latency model; the same report as `run`.
     Simulate(Box<simulate::SimArgs>),
+    /// Search pool sizes (and chunk, batch cap, local-prefill threshold) for
+    /// the cheapest simulated cluster that meets the SLOs at a load.
+    Plan(Box<plan::PlanArgs>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -53,5 +57,6 @@ fn main() -> anyhow::Result<()> {
         Command::Kv(args) => kv_bench::run(args),
         Command::PrefillBatch(args) => batch_bench::run(args),
         Command::Simulate(args) => simulate::run(*args).map(|_| ()),
+        Command::Plan(args) => plan::run(*args).map(|_| ()),
     }
 }

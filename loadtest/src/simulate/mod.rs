@@ -423,7 +423,7 @@ pub struct PointStats {
 }
 
 /// Simulates one point; the records as `run` would have measured them.
-fn simulate_point(
+pub(crate) fn simulate_point(
     args: &SimArgs,
     cfg: &ClusterCfg,
     load: Load,
