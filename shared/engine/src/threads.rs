@@ -73,6 +73,15 @@ impl<T> Disjoint<T> {
         unsafe { std::slice::from_raw_parts_mut(self.0.add(r * w), w) }
     }
 
+    /// Element `i`'s address, for a kernel that stores several at once.
+    ///
+    /// # Safety
+    /// As [`Self::rows`], for every element written through it.
+    #[inline(always)]
+    pub unsafe fn at(self, i: usize) -> *mut T {
+        unsafe { self.0.add(i) }
+    }
+
     /// Writes element `i`.
     ///
     /// # Safety

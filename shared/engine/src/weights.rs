@@ -201,7 +201,7 @@ impl Linear {
 
 /// The parts as one [`QMatrix`] on the CPU; `None` when the engine's
 /// kernels cannot take them (another device, a format without a kernel,
-/// mixed formats, a width that is not whole pairs of blocks).
+/// mixed formats, a width that is not whole blocks).
 fn blocks(parts: &[QTensor], device: &Device) -> Result<Option<QMatrix>> {
     let in_dim = dims2(&parts[0])?.1;
     if !device.is_cpu() || !QMatrix::supports(in_dim) {

@@ -1,87 +1,115 @@
-//! Activations quantized to 8 bits per block of 32 values, laid out by
-//! [`position`]. One function quantizes for every kernel path.
+//! Activations quantized to 8 bits per block of 32 values, in their natural
+//! order. One function quantizes for every kernel path.
 
-use super::{position, scale_stride, QK};
+use super::QK;
 use crate::threads::{for_ranges, Disjoint};
 
 /// `n` rows of quantized activations.
 pub(crate) struct QAct {
     blocks: usize,
-    /// `n × blocks × 32` quants, by [`position`].
+    /// `n × blocks × 32` quants.
     qs: Vec<i8>,
-    /// `n × blocks × 4`: each block's scale, once per lane.
-    sv: Vec<f32>,
-    /// `scale × Σ quants` per block (used by 4-bit formats' minimums),
-    /// padded with zeros as the weights' scales are.
+    /// `n × blocks` scales.
+    d: Vec<f32>,
+    /// `n × blocks`: `scale × Σ quants` (Q4_1's minimums).
     sx: Vec<f32>,
+    /// `n × blocks`: `Σ quants`, exact (the weights' offsets).
+    sum: Vec<i32>,
 }
 
 /// One row of [`QAct`], borrowed.
 #[derive(Clone, Copy)]
 pub(crate) struct ActRow<'a> {
     pub qs: &'a [i8],
-    pub sv: &'a [f32],
+    pub d: &'a [f32],
     pub sx: &'a [f32],
+    pub sum: &'a [i32],
+}
+
+/// One row's outputs, borrowed mutably while it is quantized.
+struct RowOut<'a> {
+    qs: &'a mut [i8],
+    d: &'a mut [f32],
+    sx: &'a mut [f32],
+    sum: &'a mut [i32],
+}
+
+impl RowOut<'_> {
+    fn block(&mut self, b: usize, scale: f32, sum: i32) {
+        self.d[b] = scale;
+        self.sx[b] = scale * sum as f32;
+        self.sum[b] = sum;
+    }
 }
 
 impl QAct {
-    /// Quantizes `x` (`[n, cols]`, `cols` a multiple of 64); many rows are
+    /// Quantizes `x` (`[n, cols]`, `cols` a multiple of 32); many rows are
     /// shared out on candle's thread pool.
     pub fn quantize(x: &[f32], cols: usize) -> Self {
         let blocks = cols / QK;
         let n = x.len() / cols;
-        let (sv_w, sx_w) = (4 * blocks, scale_stride(blocks));
         let mut act = Self {
             blocks,
             qs: vec![0i8; n * cols],
-            sv: vec![0f32; n * sv_w],
-            sx: vec![0f32; n * sx_w],
+            d: vec![0f32; n * blocks],
+            sx: vec![0f32; n * blocks],
+            sum: vec![0i32; n * blocks],
         };
-        let (qs, sv, sx) = (
+        let (qs, d, sx, sum) = (
             Disjoint::new(&mut act.qs),
-            Disjoint::new(&mut act.sv),
+            Disjoint::new(&mut act.d),
             Disjoint::new(&mut act.sx),
+            Disjoint::new(&mut act.sum),
         );
         let rows = |range: std::ops::Range<usize>| {
             for r in range {
                 // SAFETY: row `r`'s slices are disjoint from every other row's,
                 // and the vectors outlive the pool call.
-                let (q, v, m) = unsafe { (qs.rows(r, cols), sv.rows(r, sv_w), sx.rows(r, sx_w)) };
-                quantize_row(&x[r * cols..(r + 1) * cols], q, v, m);
+                let out = unsafe {
+                    RowOut {
+                        qs: qs.rows(r, cols),
+                        d: d.rows(r, blocks),
+                        sx: sx.rows(r, blocks),
+                        sum: sum.rows(r, blocks),
+                    }
+                };
+                quantize_row(&x[r * cols..(r + 1) * cols], out);
             }
         };
         for_ranges(n, 8, rows);
         act
     }
 
+    pub fn rows(&self) -> usize {
+        self.d.len() / self.blocks.max(1)
+    }
+
     #[inline(always)]
     pub fn row(&self, r: usize) -> ActRow<'_> {
-        let (nb, stride) = (self.blocks, scale_stride(self.blocks));
+        let nb = self.blocks;
         ActRow {
             qs: &self.qs[r * nb * QK..(r + 1) * nb * QK],
-            sv: &self.sv[r * nb * 4..(r + 1) * nb * 4],
-            sx: &self.sx[r * stride..(r + 1) * stride],
+            d: &self.d[r * nb..(r + 1) * nb],
+            sx: &self.sx[r * nb..(r + 1) * nb],
+            sum: &self.sum[r * nb..(r + 1) * nb],
         }
     }
 }
 
-/// Quantizes one row into its quants, lane scales and block sums, on AVX2
-/// when the CPU has it (the same bits either way).
-fn quantize_row(x: &[f32], qs: &mut [i8], sv: &mut [f32], sx: &mut [f32]) {
+/// Quantizes one row, on AVX2 when the CPU has it (the same bits either way).
+fn quantize_row(x: &[f32], out: RowOut<'_>) {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::avx2_fma() {
         // SAFETY: the CPU has AVX2 (checked above); the slices are one row's.
-        return unsafe { x86::quantize_row(x, qs, sv, sx) };
+        return unsafe { x86::quantize_row(x, out) };
     }
-    quantize_row_portable(x, qs, sv, sx)
+    quantize_row_portable(x, out)
 }
 
-fn quantize_row_portable(x: &[f32], qs: &mut [i8], sv: &mut [f32], sx: &mut [f32]) {
-    let nb = x.len() / QK;
-    for (b, (xb, lanes)) in x.chunks_exact(QK).zip(sv.chunks_exact_mut(4)).enumerate() {
-        let (scale, sum) = quantize_block(xb, |e, q| qs[position(nb, b, e)] = q);
-        lanes.fill(scale);
-        sx[b] = scale * sum as f32;
+fn quantize_row_portable(x: &[f32], mut out: RowOut<'_>) {
+    for (b, xb) in x.chunks_exact(QK).enumerate() {
+        let (scale, sum) = quantize_block(xb, &mut out.qs[b * QK..(b + 1) * QK]);
+        out.block(b, scale, sum);
     }
 }
 
@@ -95,17 +123,17 @@ fn block_scale(amax: f32) -> (f32, f32) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{block_scale, position, QK};
+    use super::{block_scale, RowOut, QK};
 
     /// [`super::quantize_row_portable`], eight values at a time: the same
     /// scale, the same rounding (to nearest, ties to even), the same clamp.
     ///
     /// # Safety
-    /// The CPU has AVX2; the slices are one row's (as the portable path takes them).
+    /// The CPU has AVX2.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn quantize_row(x: &[f32], qs: &mut [i8], sv: &mut [f32], sx: &mut [f32]) {
+    pub(super) unsafe fn quantize_row(x: &[f32], mut out: RowOut<'_>) {
         let nb = x.len() / QK;
-        assert!(qs.len() >= nb * QK && sv.len() >= 4 * nb && sx.len() >= nb);
+        assert!(out.qs.len() >= nb * QK && out.d.len() >= nb);
         let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
         let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -134,19 +162,9 @@ mod x86 {
                 ),
                 order,
             );
-            unsafe {
-                let dst = qs.as_mut_ptr();
-                _mm_storeu_si128(
-                    dst.add(position(nb, b, 0)) as _,
-                    _mm256_castsi256_si128(bytes),
-                );
-                _mm_storeu_si128(
-                    dst.add(position(nb, b, 16)) as _,
-                    _mm256_extracti128_si256::<1>(bytes),
-                );
-            }
-            sv[4 * b..4 * b + 4].fill(d);
-            sx[b] = d * sum as f32;
+            // SAFETY: block `b`'s 32 quants lie inside the row (asserted above).
+            unsafe { _mm256_storeu_si256(out.qs.as_mut_ptr().add(b * QK) as _, bytes) };
+            out.block(b, d, sum);
         }
     }
 
@@ -167,31 +185,43 @@ mod x86 {
     }
 }
 
-/// A row quantizer: `(x, quants, lane scales, block sums)`.
+/// One quantized row's quants, scales, `sx` and sums.
 #[cfg(test)]
-type RowQuantizer = dyn Fn(&[f32], &mut [i8], &mut [f32], &mut [f32]);
+pub(crate) type RowParts = (Vec<i8>, Vec<f32>, Vec<f32>, Vec<i32>);
 
-/// Both quantizers on the same row: (SIMD, portable) quants, lane scales and sums.
+/// Both quantizers on the same row: (SIMD, portable).
 #[cfg(test)]
-pub(crate) fn quantize_both(x: &[f32]) -> [(Vec<i8>, Vec<f32>, Vec<f32>); 2] {
+pub(crate) fn quantize_both(x: &[f32]) -> [RowParts; 2] {
     let nb = x.len() / QK;
-    let run = |f: &RowQuantizer| {
-        let (mut q, mut v, mut m) = (vec![0i8; x.len()], vec![0f32; 4 * nb], vec![0f32; nb]);
-        f(x, &mut q, &mut v, &mut m);
-        (q, v, m)
+    let run = |f: &dyn Fn(&[f32], RowOut<'_>)| {
+        let (mut q, mut d, mut sx, mut sum) = (
+            vec![0i8; x.len()],
+            vec![0f32; nb],
+            vec![0f32; nb],
+            vec![0i32; nb],
+        );
+        f(
+            x,
+            RowOut {
+                qs: &mut q,
+                d: &mut d,
+                sx: &mut sx,
+                sum: &mut sum,
+            },
+        );
+        (q, d, sx, sum)
     };
     [run(&quantize_row), run(&quantize_row_portable)]
 }
 
-/// Quantizes one block: scale `max|x| / 127`, quants rounded to nearest
-/// (ties to even). Calls `put(element, quant)`; returns (scale, Σ quants).
-fn quantize_block(x: &[f32], mut put: impl FnMut(usize, i8)) -> (f32, i32) {
+/// Quantizes one block into `qs`: scale `max|x| / 127`, quants rounded to
+/// nearest (ties to even). Returns (scale, Σ quants).
+fn quantize_block(x: &[f32], qs: &mut [i8]) -> (f32, i32) {
     let (d, id) = block_scale(x.iter().fold(0f32, |m, v| m.max(v.abs())));
     let mut sum = 0i32;
-    for (e, v) in x.iter().enumerate() {
-        let q = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
-        sum += q as i32;
-        put(e, q);
+    for (v, q) in x.iter().zip(qs.iter_mut()) {
+        *q = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+        sum += *q as i32;
     }
     (d, sum)
 }

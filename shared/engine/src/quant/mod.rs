@@ -2,22 +2,27 @@
 //! (Q4_0, Q4_1, Q8_0), against activations quantized to 8 bits per block of
 //! 32 values.
 //!
+//! # Panels
+//! A matrix's rows are grouped 16 at a time into *panels*: for each block
+//! column, the 16 rows' quants are interleaved 4 bytes at a time, so one
+//! 512-bit load holds 4 quant bytes of each of 16 rows and one VNNI
+//! instruction (`vpdpbusd`) multiplies them by 4 activation quants broadcast
+//! to every lane. A lane is an output row; its integer sum over a block is
+//! exact and needs no reduction across lanes. The panel's 16 scales (and
+//! Q4_1's minimums) of the block follow in their own arrays. Nothing is
+//! padded but the last panel of a matrix whose row count is not a multiple
+//! of 16.
+//!
 //! # One canonical sum, every path
 //! The AVX-512 VNNI, AVX2 and portable paths compute the same float sum, bit
 //! for bit, so a prefill worker and a decode worker on different CPUs produce
 //! the same KV and the same tokens:
-//! - activations are quantized by one function ([`act`]) whatever the path;
-//! - a row's blocks are taken four at a time (a *quad*, 128 values), and a
-//!   trailing pair when the count is 2 more than a multiple of 4;
-//! - each block gives 4 *lanes*; lane `l` sums, exactly in integers, the
-//!   products of elements `4l..4l+4` and `16+4l..16+4l+4` (see [`position`]);
-//! - lane `l` of the quad's block `j` is added into float accumulator
-//!   `4j + l` (16 of them) as `fma(partial, dw × dx, acc)`, quad after quad,
-//!   the trailing pair last (into accumulators 0–7);
-//! - Q4_1's minimum (and Q4_0's `−8`, as a minimum of `−8·d`) adds
-//!   `fma(m, dx × Σq, acc)` per block, block `b` into lane `b % 8` of 8 more;
-//! - the 16 fold to 8 (`a[j] + a[j + 8]`), the minimums' lanes are added, and
-//!   one fixed tree reduces the 8 ([`hsum8`]).
+//! - activations are quantized by one function ([`act`]) whatever the path:
+//!   quants `x`, scale `dx` and the exact `Σx` per block;
+//! - per block `b`, the integer `s_b = Σ w·x` over its 32 elements, exactly
+//!   (`w` the weight's signed quant: `q − 8` for Q4_0, `q` for Q4_1 and Q8_0);
+//! - `acc = fma(s_b, d_b × dx_b, acc)`, blocks in order from `acc = 0`, and
+//!   for Q4_1 after each block also `acc = fma(m_b, dx_b × Σx_b, acc)`.
 //!
 //! Fused multiply-add is exactly specified, so the portable path reproduces
 //! it with `f32::mul_add`. The result for a (row, output) pair does not
@@ -40,12 +45,10 @@ pub use kernel::{active_kernel, set_kernel, Kernel, KernelChoice};
 
 /// Values per quantization block (all supported formats).
 pub(crate) const QK: usize = 32;
-/// Blocks per quad, the unit the kernels step by.
-pub(crate) const QUAD: usize = 4;
-/// Output rows per unit of work shared out among threads.
-const ROWS_PER_TASK: usize = 16;
-/// Activation rows that share one unpacking of a weight row.
-pub(crate) const ROW_TILE: usize = 8;
+/// Weight rows per panel: one 512-bit register of 32-bit lanes.
+pub(crate) const PANEL: usize = 16;
+/// Bytes of one quant group of a panel: 4 bytes of each of its rows.
+pub(crate) const GROUP: usize = 4 * PANEL;
 
 /// A block format the kernels read as stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,84 +88,91 @@ impl BlockKind {
         }
     }
 
+    /// Where the quants start in a stored block (after the scale, and Q4_1's minimum).
+    fn qs_offset(self) -> usize {
+        self.stored_bytes() - self.qs_bytes()
+    }
+
     /// Whether 4-bit weights (pairs split into low and high nibbles).
     pub(crate) fn is_q4(self) -> bool {
         !matches!(self, Self::Q8_0)
     }
+
+    /// What every weight quant is offset by against its stored unsigned
+    /// form in a panel: Q4_0's `q − 8`, and Q8_0's quants stored plus 128.
+    /// A block's integer sum starts at `−offset × Σx`.
+    pub(crate) fn offset(self) -> i32 {
+        match self {
+            Self::Q4_0 => 8,
+            Self::Q4_1 => 0,
+            Self::Q8_0 => 128,
+        }
+    }
 }
 
-/// A weight matrix `[rows, cols]` in one block format, one output per row.
-/// The blocks' bytes are kept as stored, with quants and scales split apart
-/// so each row's quants are contiguous; nothing is padded.
+/// 64 bytes on a cache line's boundary, so a panel's quant groups load aligned.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct Line(pub [u8; GROUP]);
+
+/// A weight matrix `[rows, cols]` in one block format, one output per row,
+/// in panels of 16 rows ([module docs](self)): the blocks' bytes as stored
+/// (Q8_0's quants plus 128), regrouped; nothing is padded but the last panel.
 #[derive(Debug, Clone)]
 pub struct QMatrix {
     kind: BlockKind,
     rows: usize,
     cols: usize,
-    /// `rows × blocks × qs_bytes` quants: 4-bit ones as stored, 8-bit ones
-    /// reordered by [`position`] (as the activations are).
-    qs: Vec<u8>,
-    /// Scales, `scale_stride` per row: the row's blocks, then zeros up to
-    /// a multiple of 8 (so minimums are summed 8 blocks at a time).
+    /// Per panel, per block, the quant groups: 4 (4-bit: byte `4k..4k+4` of
+    /// each row's block, low nibbles elements `4k..`, high ones `16 + 4k..`)
+    /// or 8 (8-bit: elements `4g..4g+4`, each plus 128).
+    qs: Vec<Line>,
+    /// Per panel, per block, the 16 rows' scales.
     d: Vec<f16>,
     /// Minimums (Q4_1 only), laid out as `d`.
     m: Vec<f16>,
 }
 
-/// Per-block values of a row padded with zeros to a multiple of 8 blocks.
-pub(crate) fn scale_stride(blocks: usize) -> usize {
-    blocks.next_multiple_of(8)
-}
-
-/// One weight row, borrowed.
-#[derive(Clone, Copy)]
-pub(crate) struct WRow<'a> {
-    pub qs: &'a [u8],
-    pub d: &'a [f16],
-    /// Empty unless Q4_1.
-    pub m: &'a [f16],
-}
-
 impl QMatrix {
-    /// Whether an input width can be multiplied by these kernels (whole pairs of blocks).
+    /// Whether an input width can be multiplied by these kernels (whole blocks).
     pub fn supports(cols: usize) -> bool {
-        cols > 0 && cols.is_multiple_of(2 * QK)
+        cols > 0 && cols.is_multiple_of(QK)
     }
 
-    /// Splits GGUF blocks (`rows × cols / 32` of them, row-major) into quants and scales.
+    /// Regroups GGUF blocks (`rows × cols / 32` of them, row-major) into panels.
     pub fn from_blocks(kind: BlockKind, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
         let nb = cols / QK;
-        if !Self::supports(cols) || data.len() != rows * nb * kind.stored_bytes() {
+        let sb = kind.stored_bytes();
+        if !Self::supports(cols) || rows == 0 || data.len() != rows * nb * sb {
             return None;
         }
-        let qb = kind.qs_bytes();
-        let stride = scale_stride(nb);
-        let mut qs = Vec::with_capacity(rows * nb * qb);
-        let mut d = Vec::with_capacity(rows * stride);
-        let mut m = Vec::new();
+        let panels = rows.div_ceil(PANEL);
+        let groups = kind.qs_bytes() / 4;
+        let mut qs = vec![Line([0; GROUP]); panels * nb * groups];
+        let mut d = vec![f16::ZERO; panels * nb * PANEL];
+        let mut m = match kind {
+            BlockKind::Q4_1 => vec![f16::ZERO; panels * nb * PANEL],
+            _ => Vec::new(),
+        };
         let half = |b: &[u8]| f16::from_le_bytes([b[0], b[1]]);
-        for row in data.chunks_exact(nb * kind.stored_bytes()) {
-            for block in row.chunks_exact(kind.stored_bytes()) {
-                d.push(half(&block[0..2]));
-                let quants = match kind {
-                    BlockKind::Q4_1 => {
-                        m.push(half(&block[2..4]));
-                        &block[4..]
-                    }
-                    BlockKind::Q4_0 | BlockKind::Q8_0 => &block[2..],
-                };
-                qs.extend_from_slice(quants);
-            }
-            if kind == BlockKind::Q8_0 {
-                let row_qs = qs.len() - nb * QK;
-                let natural = qs[row_qs..].to_vec();
-                for (i, q) in natural.into_iter().enumerate() {
-                    qs[row_qs + position(nb, i / QK, i % QK)] = q;
+        for (r, row) in data.chunks_exact(nb * sb).enumerate() {
+            let (p, lane) = (r / PANEL, r % PANEL);
+            for (b, block) in row.chunks_exact(sb).enumerate() {
+                let at = (p * nb + b) * PANEL + lane;
+                d[at] = half(&block[0..2]);
+                if kind == BlockKind::Q4_1 {
+                    m[at] = half(&block[2..4]);
                 }
-            }
-            d.resize(d.len() + stride - nb, f16::ZERO);
-            if kind == BlockKind::Q4_1 {
-                m.resize(m.len() + stride - nb, f16::ZERO);
+                let quants = &block[kind.qs_offset()..];
+                for (g, four) in quants.chunks_exact(4).enumerate() {
+                    let line = &mut qs[(p * nb + b) * groups + g].0[4 * lane..4 * lane + 4];
+                    for (dst, &q) in line.iter_mut().zip(four) {
+                        *dst = match kind.is_q4() {
+                            true => q,
+                            false => q ^ 0x80,
+                        };
+                    }
+                }
             }
         }
         Some(Self {
@@ -175,20 +185,45 @@ impl QMatrix {
         })
     }
 
+    /// Row `r` as the GGUF file stores it.
+    fn stored_row(&self, r: usize) -> Vec<u8> {
+        let (kind, nb) = (self.kind, self.blocks());
+        let (p, lane) = (r / PANEL, r % PANEL);
+        let groups = kind.qs_bytes() / 4;
+        let mut out = Vec::with_capacity(nb * kind.stored_bytes());
+        for b in 0..nb {
+            let at = (p * nb + b) * PANEL + lane;
+            out.extend_from_slice(&self.d[at].to_le_bytes());
+            if kind == BlockKind::Q4_1 {
+                out.extend_from_slice(&self.m[at].to_le_bytes());
+            }
+            for g in 0..groups {
+                let line = &self.qs[(p * nb + b) * groups + g].0[4 * lane..4 * lane + 4];
+                out.extend(line.iter().map(|&q| match kind.is_q4() {
+                    true => q,
+                    false => q ^ 0x80,
+                }));
+            }
+        }
+        out
+    }
+
     /// Stacks matrices of the same kind and width along the output dimension.
     pub fn concat(parts: Vec<QMatrix>) -> Option<Self> {
-        let mut it = parts.into_iter();
-        let mut out = it.next()?;
-        for p in it {
-            if p.kind != out.kind || p.cols != out.cols {
-                return None;
-            }
-            out.rows += p.rows;
-            out.qs.extend_from_slice(&p.qs);
-            out.d.extend_from_slice(&p.d);
-            out.m.extend_from_slice(&p.m);
+        let first = parts.first()?;
+        let (kind, cols) = (first.kind, first.cols);
+        if parts.iter().any(|p| p.kind != kind || p.cols != cols) {
+            return None;
         }
-        Some(out)
+        if parts.len() == 1 {
+            return parts.into_iter().next();
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let data: Vec<u8> = parts
+            .iter()
+            .flat_map(|p| (0..p.rows).flat_map(|r| p.stored_row(r)))
+            .collect();
+        Self::from_blocks(kind, rows, cols, &data)
     }
 
     pub fn kind(&self) -> BlockKind {
@@ -203,10 +238,10 @@ impl QMatrix {
         self.cols
     }
 
-    /// Bytes a pass over the matrix reads: the file's blocks, and the
-    /// scales' padding (under 1% for usual widths).
+    /// Bytes a pass over the matrix reads: the file's blocks (and the last
+    /// panel's padding rows).
     pub fn bytes(&self) -> usize {
-        self.qs.len() + 2 * (self.d.len() + self.m.len())
+        self.qs.len() * GROUP + 2 * (self.d.len() + self.m.len())
     }
 
     #[inline(always)]
@@ -214,17 +249,20 @@ impl QMatrix {
         self.cols / QK
     }
 
-    /// Row `r`: its quants, and its scales (and minimums) with their padding.
+    /// Panel `p`, borrowed.
     #[inline(always)]
-    pub(crate) fn row(&self, r: usize) -> WRow<'_> {
-        let (nb, stride) = (self.blocks(), scale_stride(self.blocks()));
-        let qb = nb * self.kind.qs_bytes();
-        WRow {
-            qs: &self.qs[r * qb..(r + 1) * qb],
-            d: &self.d[r * stride..(r + 1) * stride],
+    pub(crate) fn panel(&self, p: usize) -> Panel<'_> {
+        let nb = self.blocks();
+        let groups = self.kind.qs_bytes() / 4;
+        let scales = p * nb * PANEL..(p + 1) * nb * PANEL;
+        Panel {
+            kind: self.kind,
+            blocks: nb,
+            qs: &self.qs[p * nb * groups..(p + 1) * nb * groups],
+            d: &self.d[scales.clone()],
             m: match self.m.is_empty() {
                 true => &[],
-                false => &self.m[r * stride..(r + 1) * stride],
+                false => &self.m[scales],
             },
         }
     }
@@ -249,86 +287,70 @@ impl QMatrix {
         let act = QAct::quantize(x, self.cols);
         let mut y = vec![0f32; n * self.rows];
         let out = SharedOut::new(&mut y);
-        let tasks = self.rows.div_ceil(ROWS_PER_TASK);
+        let panels = self.rows.div_ceil(PANEL);
         let run = |range: std::ops::Range<usize>| {
-            for task in range {
-                let o0 = task * ROWS_PER_TASK;
-                let o1 = (o0 + ROWS_PER_TASK).min(self.rows);
-                // SAFETY: each task writes only columns o0..o1 of `y`, tasks
-                // are distinct, and `y` outlives the pool call.
-                unsafe { self.run_task(kernel, &act, o0..o1, n, out) };
+            for p in range {
+                let tile = Tile {
+                    w: self.panel(p),
+                    act: &act,
+                    outs: p * PANEL..((p + 1) * PANEL).min(self.rows),
+                    stride: self.rows,
+                };
+                // SAFETY: each panel writes only its own columns of `y`,
+                // panels are distinct, and `y` outlives the pool call.
+                unsafe { kernel::run_tile(kernel, &tile, out) };
             }
         };
-        // Under 32 task-rows of work is not worth waking the pool.
-        crate::threads::for_ranges(tasks, (2 * ROWS_PER_TASK).div_ceil(n.max(1)), run);
+        // Under 32 panel-rows of work is not worth waking the pool.
+        crate::threads::for_ranges(panels, (2 * PANEL).div_ceil(n.max(1)), run);
         y
     }
+}
 
-    /// Computes outputs `outs` of every activation row.
-    ///
-    /// # Safety
-    /// `out` points to `n × self.rows` floats that no one else writes in columns `outs`.
-    unsafe fn run_task(
-        &self,
-        kernel: Kernel,
-        act: &QAct,
-        outs: std::ops::Range<usize>,
-        n: usize,
-        out: SharedOut,
-    ) {
-        let mut r0 = 0;
-        while r0 < n {
-            let rows = r0..(r0 + ROW_TILE).min(n);
-            let tile = Tile {
-                w: self,
-                act,
-                rows: rows.clone(),
-                outs: outs.clone(),
-            };
-            // SAFETY: the tile's cells lie in this task's columns (caller's contract).
-            unsafe { kernel::run_tile(kernel, &tile, out) };
-            r0 = rows.end;
+/// One panel of a matrix: 16 weight rows (the last panel may have fewer
+/// real ones), borrowed.
+#[derive(Clone, Copy)]
+pub(crate) struct Panel<'a> {
+    pub kind: BlockKind,
+    pub blocks: usize,
+    /// Per block, its quant groups.
+    pub qs: &'a [Line],
+    /// Per block, 16 scales.
+    pub d: &'a [f16],
+    /// Per block, 16 minimums (Q4_1), else empty.
+    pub m: &'a [f16],
+}
+
+impl Panel<'_> {
+    /// Quant groups per block.
+    #[inline(always)]
+    pub fn groups(&self) -> usize {
+        self.kind.qs_bytes() / 4
+    }
+
+    /// Lane `lane`'s signed weight quant for element `e` of block `b`.
+    pub fn quant(&self, lane: usize, b: usize, e: usize) -> i32 {
+        let (g, shift) = match self.kind.is_q4() {
+            true => ((e % 16) / 4, 4 * (e / 16)),
+            false => (e / 4, 0),
+        };
+        let byte = self.qs[b * self.groups() + g].0[4 * lane + e % 4];
+        match self.kind.is_q4() {
+            true => ((byte >> shift) & 0x0f) as i32 - self.kind.offset(),
+            false => byte as i32 - self.kind.offset(),
         }
     }
 }
 
-/// Activation rows × weight rows: one call of a kernel path.
+/// Every activation row × one panel's outputs: one call of a kernel path.
 pub(crate) struct Tile<'a> {
-    pub w: &'a QMatrix,
+    pub w: Panel<'a>,
     pub act: &'a QAct,
-    /// Activation rows, at most [`ROW_TILE`].
-    pub rows: std::ops::Range<usize>,
-    /// Weight rows (outputs).
+    /// The panel's real outputs (columns of the result).
     pub outs: std::ops::Range<usize>,
-}
-
-impl Tile<'_> {
-    /// Blocks per row.
-    #[inline(always)]
-    pub fn blocks(&self) -> usize {
-        self.w.blocks()
-    }
+    /// Columns of the result (the matrix's rows).
+    pub stride: usize,
 }
 
 /// The output that tasks write disjoint columns of.
 pub(crate) type SharedOut = crate::threads::Disjoint<f32>;
-
-/// The fixed reduction of 8 lanes: `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`,
-/// the order a 256-bit register folds in.
-pub(crate) fn hsum8(a: &[f32; 8]) -> f32 {
-    let x = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
-    (x[0] + x[2]) + (x[1] + x[3])
-}
-
-/// Where element `e` of block `b` (of a row of `nb` blocks) sits in a row of
-/// activations, and of 8-bit weights: a quad holds its 4 blocks' elements
-/// 0–15, then their elements 16–31 (the order 4-bit weights unpack in: low
-/// nibbles, then high); a trailing pair does the same for 2 blocks.
-pub(crate) fn position(nb: usize, b: usize, e: usize) -> usize {
-    let quads = nb / QUAD;
-    let (base, j, group) = match b < quads * QUAD {
-        true => ((b / QUAD) * QUAD * QK, b % QUAD, QUAD),
-        false => (quads * QUAD * QK, b - quads * QUAD, 2),
-    };
-    base + (e / 16) * group * 16 + j * 16 + e % 16
-}

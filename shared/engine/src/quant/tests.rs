@@ -101,10 +101,10 @@ fn every_available_path_equals_the_scalar_path_bit_for_bit() {
     let paths: Vec<Kernel> = Kernel::ALL.into_iter().filter(|k| k.available()).collect();
     eprintln!("kernel paths on this CPU: {paths:?}");
     for kind in KINDS {
-        for (rows, cols) in [(1, 64), (17, 576), (40, 1536), (33, 320)] {
+        for (rows, cols) in [(1, 64), (17, 576), (40, 1536), (33, 320), (16, 32), (5, 96)] {
             let data = random_blocks(kind, rows, cols, &mut rng);
             let w = QMatrix::from_blocks(kind, rows, cols, &data).unwrap();
-            for n in [1, 2, 3, 4, 5, 9, 40] {
+            for n in [1, 2, 3, 4, 5, 7, 8, 9, 13, 40] {
                 let x = random_x(n, cols, &mut rng);
                 let want = w.matmul_with(Kernel::Scalar, &x);
                 for &k in &paths {
@@ -124,8 +124,8 @@ fn every_available_path_equals_the_scalar_path_bit_for_bit() {
 }
 
 /// The integer sums' worst case: every quant at its largest magnitude
-/// (4-bit 15, 8-bit −128) against activations of ±127, where a 16-bit pair
-/// sum that overflowed or saturated would show.
+/// (4-bit 15, 8-bit −128) against activations of ±127, where a 16-bit sum
+/// that overflowed or saturated would show.
 #[test]
 fn extreme_quants_give_the_same_bits_on_every_path() {
     let (rows, cols) = (8, 576);
@@ -199,16 +199,37 @@ fn fused_rows_equal_their_parts() {
         assert_eq!(yf[r * 8..r * 8 + 5], ya[r * 5..(r + 1) * 5]);
         assert_eq!(yf[r * 8 + 5..(r + 1) * 8], yb[r * 3..(r + 1) * 3]);
     }
-    assert!(fused.bytes() >= a.len() + b.len());
+    assert_eq!(fused.bytes(), 16 * (a.len() + b.len()) / 8);
 }
 
 #[test]
 fn unsupported_shapes_are_refused() {
-    assert!(!QMatrix::supports(32));
+    assert!(!QMatrix::supports(48));
     assert!(!QMatrix::supports(0));
     assert!(QMatrix::from_blocks(BlockKind::Q8_0, 2, 64, &[0u8; 10]).is_none());
-    let odd = vec![0u8; 2 * 3 * 34];
-    assert!(QMatrix::from_blocks(BlockKind::Q8_0, 2, 96, &odd).is_none());
+    let short = vec![0u8; 2 * 3 * 34 - 1];
+    assert!(QMatrix::from_blocks(BlockKind::Q8_0, 2, 96, &short).is_none());
+    assert!(QMatrix::from_blocks(BlockKind::Q8_0, 0, 96, &[]).is_none());
+}
+
+#[test]
+fn panels_give_back_the_stored_rows() {
+    let mut rng = Rng(5);
+    for kind in KINDS {
+        let (rows, cols) = (37, 96);
+        let data = random_blocks(kind, rows, cols, &mut rng);
+        let w = QMatrix::from_blocks(kind, rows, cols, &data).unwrap();
+        let row_bytes = cols / QK * kind.stored_bytes();
+        for r in [0, 15, 16, 36] {
+            assert_eq!(
+                w.stored_row(r),
+                data[r * row_bytes..(r + 1) * row_bytes],
+                "{kind:?} row {r}"
+            );
+        }
+        // Three panels, the last padded: the file's bytes and 11 empty rows.
+        assert_eq!(w.bytes(), (rows + 11) * row_bytes);
+    }
 }
 
 #[test]
