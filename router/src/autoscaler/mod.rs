@@ -86,12 +86,20 @@ pub struct AutoscalerArgs {
     /// Seconds after a change before the next one.
     #[arg(long, env = "PDSERVE_SCALE_COOLDOWN_SECONDS", default_value_t = 10)]
     pub scale_cooldown_seconds: u64,
+    /// Scale down from N to M replicas only while each of the M would carry
+    /// at most this share of its target (the window's peak load × N/M per
+    /// replica); 1 is no margin. Keeps a flat load from flapping N ↔ N−1.
+    #[arg(long, env = "PDSERVE_SCALE_DOWN_HEADROOM", default_value_t = 0.9)]
+    pub scale_down_headroom: f64,
 }
 
 impl AutoscalerArgs {
     pub fn validate(&self) -> Result<(), String> {
         if self.decode_min_replicas == 0 {
             return Err("--decode-min-replicas must be at least 1".into());
+        }
+        if !(self.scale_down_headroom > 0.0 && self.scale_down_headroom <= 1.0) {
+            return Err("--scale-down-headroom must be in (0, 1]".into());
         }
         if self.prefill_min_replicas > self.prefill_max_replicas
             || self.decode_min_replicas > self.decode_max_replicas
@@ -130,6 +138,7 @@ impl AutoscalerArgs {
             down_window: Duration::from_secs(self.scale_down_window_seconds),
             max_step: self.scale_max_step,
             cooldown: Duration::from_secs(self.scale_cooldown_seconds),
+            down_headroom: self.scale_down_headroom,
         }
     }
 }

@@ -7,6 +7,13 @@
 //! a brief dip never removes a replica and a long enough burst always adds
 //! one. A change is at most `max_step` replicas, and none happens within
 //! `cooldown` of the previous change.
+//!
+//! Scaling down from N to M replicas also checks what the M left would
+//! carry: the window's peak load per replica × N/M (the load of the removed
+//! ones moves to the others) must stay within `down_headroom` × `target`.
+//! Without that margin a load just under the boundary of N−1 replicas
+//! removes one, the others cross the boundary and it comes back: the N ↔
+//! N−1 oscillation.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -23,14 +30,17 @@ pub struct PolicyConfig {
     pub max_step: usize,
     /// No change within this time of the previous one.
     pub cooldown: Duration,
+    /// Scale down only while the replicas left carry at most this share of
+    /// `target` each (1: no margin).
+    pub down_headroom: f64,
 }
 
 /// The history one pool's decisions depend on. Times are offsets from any
 /// fixed origin (the tests use synthetic ones).
 #[derive(Debug, Default)]
 pub struct Policy {
-    /// (time, raw recommendation), newest last.
-    history: VecDeque<(Duration, usize)>,
+    /// (time, raw recommendation, signal), newest last.
+    history: VecDeque<(Duration, usize, f64)>,
     last_change: Option<Duration>,
 }
 
@@ -54,26 +64,37 @@ impl Policy {
         current: usize,
     ) -> usize {
         let raw = Self::recommend(cfg, signal);
-        self.history.push_back((now, raw));
+        let load = if signal.is_finite() {
+            signal.max(0.0)
+        } else {
+            0.0
+        };
+        self.history.push_back((now, raw, load));
         let keep = cfg.up_window.max(cfg.down_window);
         while self
             .history
             .front()
-            .is_some_and(|(t, _)| now.saturating_sub(*t) > keep)
+            .is_some_and(|(t, _, _)| now.saturating_sub(*t) > keep)
         {
             self.history.pop_front();
         }
         let within = |w: Duration| {
             self.history
                 .iter()
-                .filter(move |(t, _)| now.saturating_sub(*t) <= w)
-                .map(|(_, r)| *r)
+                .filter(move |(t, _, _)| now.saturating_sub(*t) <= w)
         };
-        let up = within(cfg.up_window).min().unwrap_or(raw);
-        let down = within(cfg.down_window).max().unwrap_or(raw);
+        let up = within(cfg.up_window).map(|h| h.1).min().unwrap_or(raw);
+        let down = within(cfg.down_window).map(|h| h.1).max().unwrap_or(raw);
         let target = match (up > current, down < current) {
             (true, _) => up.min(current + cfg.max_step.max(1)),
-            (_, true) => down.max(current.saturating_sub(cfg.max_step.max(1))),
+            (_, true) => {
+                let peak = within(cfg.down_window).map(|h| h.2).fold(load, f64::max);
+                let mut left = down.max(current.saturating_sub(cfg.max_step.max(1)));
+                while left < current && !carries(cfg, peak, current, left) {
+                    left += 1;
+                }
+                left
+            }
             _ => current,
         };
         let target = target.clamp(cfg.min, cfg.max.max(cfg.min));
@@ -89,6 +110,16 @@ impl Policy {
     }
 }
 
+/// Whether `left` replicas carry a pool load of `peak` that `current` carry
+/// now: each takes its share × current/left, within the headroom.
+fn carries(cfg: &PolicyConfig, peak: f64, current: usize, left: usize) -> bool {
+    if left == 0 {
+        return peak <= 0.0;
+    }
+    let per_replica = peak / current.max(1) as f64;
+    per_replica * current as f64 / left as f64 <= cfg.target * cfg.down_headroom
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,6 +133,7 @@ mod tests {
             down_window: Duration::from_secs(30),
             max_step: 1,
             cooldown: Duration::from_secs(5),
+            down_headroom: 0.9,
         }
     }
 
@@ -196,5 +228,69 @@ mod tests {
         assert_eq!(p.decide(&c, s(0), 15.0, 1), 2);
         // Replicas below the minimum (a crash) are restored at once.
         assert_eq!(p.decide(&c, s(1), 15.0, 0), 1);
+    }
+
+    /// A flat load just under the boundary of 3 replicas (target 10): samples
+    /// in [27, 29), and one in fifty a spike over 30 that asks for a fourth.
+    fn noisy_flat(ticks: usize) -> Vec<f64> {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut unit = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f64 / (1u64 << 53) as f64
+        };
+        (0..ticks)
+            .map(|_| {
+                let level = 27.0 + 1.9 * unit();
+                match unit() < 0.02 {
+                    true => level + 3.5,
+                    false => level,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_flat_load_at_a_boundary_does_not_oscillate() {
+        let windowed = PolicyConfig {
+            down_window: s(10),
+            ..cfg()
+        };
+        let signals = noisy_flat(1200);
+        let r = simulate(&windowed, &signals, 3);
+        let changes = r.windows(2).filter(|w| w[0] != w[1]).count();
+        assert!(changes <= 1, "{changes} changes: {r:?}");
+        assert_eq!(*r.last().unwrap(), 4, "the spikes need a fourth replica");
+        // Without the headroom the same load flaps between 3 and 4: what
+        // the check prevents.
+        let bare = PolicyConfig {
+            down_headroom: 1.0,
+            ..windowed
+        };
+        let r = simulate(&bare, &signals, 3);
+        let changes = r.windows(2).filter(|w| w[0] != w[1]).count();
+        assert!(changes >= 4, "{changes} changes: {r:?}");
+    }
+
+    #[test]
+    fn scale_down_assumes_the_others_absorb_the_removed_share() {
+        let c = PolicyConfig {
+            down_window: Duration::ZERO,
+            cooldown: Duration::ZERO,
+            ..cfg()
+        };
+        let mut p = Policy::default();
+        // 4 replicas at 26: 3 would carry 8.67 each, within 9: one goes.
+        assert_eq!(p.decide(&c, s(0), 26.0, 4), 3);
+        // 3 replicas at 19: 2 would carry 9.5 each, over 9: all stay,
+        // although ceil(19 / 10) = 2.
+        assert_eq!(Policy::recommend(&c, 19.0), 2);
+        assert_eq!(p.decide(&c, s(1), 19.0, 3), 3);
+        // At 17, 2 carry 8.5 each: one goes.
+        assert_eq!(p.decide(&c, s(2), 17.0, 3), 2);
+        // To zero only with no load at all.
+        let zero = PolicyConfig { min: 0, ..c };
+        assert_eq!(p.decide(&zero, s(3), 0.0, 1), 0);
     }
 }
