@@ -62,6 +62,12 @@ impl<T> Disjoint<T> {
         Self(buf.as_mut_ptr())
     }
 
+    /// Over the spare capacity of `buf`, for workers that write every
+    /// element before the owner sets the length.
+    pub fn spare(buf: &mut Vec<T>) -> Self {
+        Self(buf.spare_capacity_mut().as_mut_ptr().cast())
+    }
+
     /// Piece `r` of width `w`: elements `r·w .. (r+1)·w`.
     ///
     /// # Safety

@@ -99,23 +99,73 @@ pub(crate) fn attention<T: KvElem>(
     out: &mut [f32],
 ) {
     let width = heads.group() * heads.head_dim;
-    let items = row_seq.len() * heads.n_kv_heads;
     assert_eq!(
         out.len(),
-        items * width,
+        row_seq.len() * heads.n_kv_heads * width,
         "attention output has the wrong size"
     );
+    let tiles = row_tiles(row_seq, tiled(heads));
+    let items = tiles.len() * heads.n_kv_heads;
     let out = Disjoint::new(out);
     for_ranges(items, 1, |range| {
         let mut scratch = Scratch::default();
         for item in range {
-            // SAFETY: each item writes only its own `width`-wide chunk of `out`,
-            // items are distinct, and `out` outlives this call (the pool call
-            // returns only after every worker is done).
-            let chunk = unsafe { out.rows(item, width) };
-            attend_one(q, seqs, row_seq, heads, item, &mut scratch, chunk);
+            // The longest contexts first, so the last items handed out are
+            // the short ones and the threads finish together.
+            let item = items - 1 - item;
+            let (rows, kvh) = (
+                tiles[item / heads.n_kv_heads].clone(),
+                item % heads.n_kv_heads,
+            );
+            // SAFETY: each (row, KV head) chunk of `out` belongs to exactly one
+            // item, items are distinct, and `out` outlives this call (the pool
+            // call returns only after every worker is done).
+            let chunk = |row: usize| unsafe { out.rows(row * heads.n_kv_heads + kvh, width) };
+            match rows.len() {
+                1 => attend_one(
+                    q,
+                    seqs,
+                    row_seq,
+                    heads,
+                    rows.start,
+                    kvh,
+                    &mut scratch,
+                    chunk(rows.start),
+                ),
+                _ => attend_tile(q, seqs, row_seq, heads, rows, kvh, &mut scratch, chunk),
+            }
         }
     });
+}
+
+/// Rows of one sequence, at consecutive positions, that share a tile.
+const TILE_ROWS: usize = 16;
+
+/// Whether rows of a sequence share their widened K and V ([`attend_tile`]).
+fn tiled(heads: Heads) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd::avx2_fma() && heads.head_dim.is_multiple_of(8) {
+        return true;
+    }
+    false
+}
+
+/// Cuts the rows into tiles: runs of at most [`TILE_ROWS`] consecutive rows
+/// of one sequence at consecutive positions (a prefill chunk's rows), or
+/// single rows when `tiled` is false.
+fn row_tiles(row_seq: &[(usize, usize)], tiled: bool) -> Vec<std::ops::Range<usize>> {
+    let mut tiles: Vec<std::ops::Range<usize>> = Vec::new();
+    for (r, &(seq, pos)) in row_seq.iter().enumerate() {
+        match tiles.last_mut() {
+            Some(t)
+                if tiled && t.len() < TILE_ROWS && row_seq[r - 1] == (seq, pos.wrapping_sub(1)) =>
+            {
+                t.end = r + 1
+            }
+            _ => tiles.push(r..r + 1),
+        }
+    }
+    tiles
 }
 
 /// A worker's buffers, reused across its items.
@@ -124,50 +174,131 @@ struct Scratch {
     scores: Vec<f32>,
     /// One head's K or V row, widened (portable path).
     row: Vec<f32>,
+    /// A tile's K and V of one head, widened, `head_dim` per token.
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// The query heads of one KV head for the rows of a tile: the sequence's K
+/// and V of that head are widened to f32 once for all of them, then each
+/// row is attended as [`attend_one`] would (the same values, the same
+/// operations in the same order: the same bits).
+#[allow(clippy::too_many_arguments)]
+fn attend_tile<'o, T: KvElem>(
+    q: &[f32],
+    seqs: &[SeqView<'_, T>],
+    row_seq: &[(usize, usize)],
+    heads: Heads,
+    rows: std::ops::Range<usize>,
+    kvh: usize,
+    scratch: &mut Scratch,
+    mut out: impl FnMut(usize) -> &'o mut [f32],
+) {
+    let hd = heads.head_dim;
+    let kv_row = heads.n_kv_heads * hd;
+    let (seq, last) = row_seq[rows.end - 1];
+    let (view, ctx_max, b) = (&seqs[seq], last + 1, seqs[seq].block_tokens);
+    scratch.k.resize(ctx_max * hd, 0.0);
+    scratch.v.resize(ctx_max * hd, 0.0);
+    for (src, dst) in [(&view.k, &mut scratch.k), (&view.v, &mut scratch.v)] {
+        for (t, wide) in dst.chunks_exact_mut(hd).enumerate() {
+            let row = &src[t / b][(t % b) * kv_row + kvh * hd..][..hd];
+            T::widen(row, wide);
+        }
+    }
+    let Scratch { scores, k, v, .. } = scratch;
+    let wide = SeqView {
+        k: vec![&k[..]],
+        v: vec![&v[..]],
+        block_tokens: ctx_max,
+    };
+    let at = HeadRows {
+        stride: hd,
+        offset: 0,
+        hd,
+    };
+    for r in rows {
+        attend_rows(q, &wide, at, row_seq[r].1, heads, r, kvh, scores, out(r));
+    }
 }
 
 /// The query heads of one KV head for one row, against that sequence's KV.
+#[allow(clippy::too_many_arguments)]
 fn attend_one<T: KvElem>(
     q: &[f32],
     seqs: &[SeqView<'_, T>],
     row_seq: &[(usize, usize)],
     heads: Heads,
-    item: usize,
+    row: usize,
+    kvh: usize,
     scratch: &mut Scratch,
     out: &mut [f32],
 ) {
-    let (hd, group) = (heads.head_dim, heads.group());
-    let kv_row = heads.n_kv_heads * hd;
-    let (row, kvh) = (item / heads.n_kv_heads, item % heads.n_kv_heads);
     let (seq, pos) = row_seq[row];
     let view = &seqs[seq];
+    if tiled(heads) {
+        let at = HeadRows {
+            stride: heads.n_kv_heads * heads.head_dim,
+            offset: kvh * heads.head_dim,
+            hd: heads.head_dim,
+        };
+        return attend_rows(q, view, at, pos, heads, row, kvh, &mut scratch.scores, out);
+    }
+    let (hd, group) = (heads.head_dim, heads.group());
+    let q0 = row * heads.n_heads * hd + kvh * group * hd;
+    let Scratch {
+        scores, row: wide, ..
+    } = scratch;
+    scores.clear();
+    scores.resize(group * (pos + 1), 0.0);
+    wide.resize(hd, 0.0);
+    portable(&q[q0..q0 + group * hd], view, heads, kvh, scores, wide, out);
+}
+
+/// Where one KV head's rows lie: each block's slice, `stride` elements per
+/// token, the head's `hd` values at `offset`.
+#[derive(Clone, Copy)]
+pub(super) struct HeadRows {
+    pub stride: usize,
+    pub offset: usize,
+    pub hd: usize,
+}
+
+/// One row's query heads of KV head `kvh` against the head's rows `at` in
+/// `view`, on the AVX2 kernels ([`tiled`] holds).
+#[allow(clippy::too_many_arguments)]
+fn attend_rows<T: KvElem>(
+    q: &[f32],
+    view: &SeqView<'_, T>,
+    at: HeadRows,
+    pos: usize,
+    heads: Heads,
+    row: usize,
+    kvh: usize,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let (hd, group) = (heads.head_dim, heads.group());
     let q0 = row * heads.n_heads * hd + kvh * group * hd;
     let q = &q[q0..q0 + group * hd];
     let ctx = pos + 1;
     let scale = 1.0 / (hd as f32).sqrt();
-    let head = kvh * hd;
-    let Scratch { scores, row: wide } = scratch;
     scores.clear();
     scores.resize(group * ctx, 0.0);
-    wide.resize(hd, 0.0);
     #[cfg(target_arch = "x86_64")]
-    if simd::avx2_fma() && hd.is_multiple_of(8) {
-        let at = x86::HeadRows {
-            stride: kv_row,
-            offset: head,
-            hd,
-        };
-        // SAFETY: AVX2, FMA and F16C are present, `hd` is a multiple of 8, and the
-        // view's blocks hold the sequence's rows up to `pos` (the KV cache's
-        // layout: `block_tokens` rows of `kv_row` floats per block).
-        unsafe {
-            x86::scores(q, view, at, ctx, scale, scores);
-            softmax_rows(scores, group, ctx);
-            x86::values(scores, view, at, ctx, out);
-        }
-        return;
+    // SAFETY: AVX2, FMA and F16C are present and `hd` is a multiple of 8
+    // (`tiled`), and the view's blocks hold the sequence's rows up to `pos`
+    // in `at`'s layout (the KV cache's, or a tile's widened copy).
+    unsafe {
+        x86::scores(q, view, at, ctx, scale, scores);
+        softmax_rows(scores, group, ctx);
+        x86::values(scores, view, at, ctx, out);
     }
-    portable(q, view, heads, kvh, scores, wide, out);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (view, at, q, scale, out);
+        unreachable!("tiled() is false off x86");
+    }
 }
 
 /// [`attend_one`] for any CPU and head width: one key at a time, each
@@ -383,7 +514,10 @@ mod tests {
             head_dim: 64,
         };
         let lens = [1, 7, 3, 41];
-        let all = [(0, 0), (1, 4), (1, 5), (1, 6), (2, 1), (3, 40), (3, 17)];
+        // A prefill's rows (sequence 3 from position 3: tiles of 16, 16 and 5
+        // rows) among decode rows.
+        let mut all = vec![(0, 0), (1, 4), (1, 5), (1, 6), (2, 1), (3, 40), (3, 17)];
+        all.extend((3..40).map(|pos| (3, pos)));
         let w = h.n_heads * h.head_dim;
         let (base, _) = run_case(h, &lens, &all, 16);
         for block_tokens in [1, 3, 8, 9, 32, 64] {
@@ -414,7 +548,9 @@ mod tests {
             };
             let (k32, k16) = round(values(41 * kv_row, 3));
             let (v32, v16) = round(values(41 * kv_row, 4));
-            let rows = [(0, 40), (0, 7)];
+            // Decode rows, and a prefill's 20 rows as tiles.
+            let mut rows = vec![(0, 40), (0, 7)];
+            rows.extend((10..30).map(|pos| (0, pos)));
             let q = values(rows.len() * n_heads * head_dim, 11);
             let (mut wide, mut narrow) = (vec![0f32; q.len()], vec![0f32; q.len()]);
             attention(&q, &[paged(&k32, &v32, kv_row, 16)], &rows, h, &mut wide);

@@ -7,22 +7,13 @@
 
 use std::arch::x86_64::*;
 
-use super::SeqView;
+use super::{HeadRows, SeqView};
 use crate::kv::KvElem;
 
 /// Keys scored together.
 const KEYS: usize = 8;
 /// Floats per register.
 const LANE: usize = 8;
-
-/// Where one KV head's rows lie: each block's slice, `stride` elements per
-/// token, the head's `hd` values at `offset`.
-#[derive(Clone, Copy)]
-pub(super) struct HeadRows {
-    pub stride: usize,
-    pub offset: usize,
-    pub hd: usize,
-}
 
 /// `scores[g * ctx + t] = scale · (q_g · k_t)` for every query head `g` of
 /// `q` (`group × hd`) and every key `t < ctx` of `keys`.

@@ -23,7 +23,16 @@ pub(crate) struct ActRow<'a> {
     pub qs: &'a [i8],
     pub d: &'a [f32],
     pub sx: &'a [f32],
-    pub sum: &'a [i32],
+}
+
+/// Row `r`'s parts as addresses, for the SIMD kernels: no slice to build
+/// or check per row (the kernels check the row range once per call).
+#[derive(Clone, Copy)]
+pub(crate) struct RowPtr {
+    pub qs: *const i8,
+    pub d: *const f32,
+    pub sx: *const f32,
+    pub sum: *const i32,
 }
 
 /// One row's outputs, borrowed mutably while it is quantized.
@@ -84,6 +93,29 @@ impl QAct {
         self.d.len() / self.blocks.max(1)
     }
 
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+
+    /// Row `r`'s addresses.
+    ///
+    /// # Panics
+    /// If `r` is not a row.
+    #[inline(always)]
+    pub fn row_ptr(&self, r: usize) -> RowPtr {
+        assert!(r < self.rows(), "row {r} of {}", self.rows());
+        let nb = self.blocks;
+        // SAFETY: row `r` exists, so these offsets lie inside the vectors.
+        unsafe {
+            RowPtr {
+                qs: self.qs.as_ptr().add(r * nb * QK),
+                d: self.d.as_ptr().add(r * nb),
+                sx: self.sx.as_ptr().add(r * nb),
+                sum: self.sum.as_ptr().add(r * nb),
+            }
+        }
+    }
+
     #[inline(always)]
     pub fn row(&self, r: usize) -> ActRow<'_> {
         let nb = self.blocks;
@@ -91,7 +123,6 @@ impl QAct {
             qs: &self.qs[r * nb * QK..(r + 1) * nb * QK],
             d: &self.d[r * nb..(r + 1) * nb],
             sx: &self.sx[r * nb..(r + 1) * nb],
-            sum: &self.sum[r * nb..(r + 1) * nb],
         }
     }
 }

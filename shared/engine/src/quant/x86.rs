@@ -5,7 +5,7 @@
 use std::arch::x86_64::*;
 use std::ptr::read_unaligned;
 
-use super::act::ActRow;
+use super::act::RowPtr;
 use super::{BlockKind, SharedOut, Tile, GROUP, PANEL, QK};
 
 /// Calls `$f::<R, Q4, MIN>` for a block kind, with `R` the row count as
@@ -84,23 +84,24 @@ pub(crate) unsafe fn run_tile_avx2(t: &Tile<'_>, out: SharedOut) {
     }
 }
 
-/// Activation rows `r0..r0 + R` of the tile, checked against the panel's width.
+/// Activation rows `r0..r0 + R` of the tile, after checking that they
+/// exist and that their width is the panel's.
 #[inline(always)]
-fn act_rows<'a, const R: usize>(t: &Tile<'a>, r0: usize) -> [ActRow<'a>; R] {
+fn act_rows<const R: usize>(t: &Tile<'_>, r0: usize) -> [RowPtr; R] {
     let nb = t.w.blocks;
     assert!(t.w.qs.len() == nb * t.w.groups() && t.w.d.len() == nb * PANEL);
     assert!(t.w.m.is_empty() || t.w.m.len() == nb * PANEL);
-    std::array::from_fn(|i| {
-        let x = t.act.row(r0 + i);
-        assert!(x.qs.len() == nb * QK && x.d.len() == nb && x.sum.len() == nb);
-        x
-    })
+    assert!(t.act.blocks() == nb && r0 + R <= t.act.rows());
+    std::array::from_fn(|i| t.act.row_ptr(r0 + i))
 }
 
-/// Four activation quants from `x` (4-aligned offset `at` of a row), as one lane.
+/// Four activation quants of a row at offset `at` (within the row), as one lane.
+///
+/// # Safety
+/// `at + 4` is within the row.
 #[inline(always)]
-unsafe fn four(x: &ActRow<'_>, at: usize) -> i32 {
-    unsafe { read_unaligned(x.qs.as_ptr().add(at) as *const i32) }
+unsafe fn four(x: &RowPtr, at: usize) -> i32 {
+    unsafe { read_unaligned(x.qs.add(at) as *const i32) }
 }
 
 /// Writes lanes `lanes` of a row's `vals` to the tile's output row `row`.
@@ -126,7 +127,8 @@ unsafe fn avx512<const R: usize, const Q4: bool, const MIN: bool>(
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..w.blocks {
         // Q4_0's `q − 8` and Q8_0's `q + 128` as stored: start at `−offset × Σx`.
-        let mut s: [__m512i; R] = std::array::from_fn(|i| _mm512_set1_epi32(-off * rows[i].sum[b]));
+        let mut s: [__m512i; R] =
+            std::array::from_fn(|i| _mm512_set1_epi32(-off * *rows[i].sum.add(b)));
         let qs = w.qs.as_ptr().add(b * groups) as *const u8;
         if Q4 {
             for k in 0..4 {
@@ -151,13 +153,13 @@ unsafe fn avx512<const R: usize, const Q4: bool, const MIN: bool>(
         }
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(b * PANEL) as _));
         for i in 0..R {
-            let scale = _mm512_mul_ps(d, _mm512_set1_ps(rows[i].d[b]));
+            let scale = _mm512_mul_ps(d, _mm512_set1_ps(*rows[i].d.add(b)));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), scale, acc[i]);
         }
         if MIN {
             let m = _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(b * PANEL) as _));
             for i in 0..R {
-                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(rows[i].sx[b]), acc[i]);
+                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*rows[i].sx.add(b)), acc[i]);
             }
         }
     }
@@ -194,7 +196,8 @@ unsafe fn avx2<const R: usize, const Q4: bool, const MIN: bool>(
     let lane0 = 8 * half;
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..w.blocks {
-        let mut s: [__m256i; R] = std::array::from_fn(|i| _mm256_set1_epi32(-off * rows[i].sum[b]));
+        let mut s: [__m256i; R] =
+            std::array::from_fn(|i| _mm256_set1_epi32(-off * *rows[i].sum.add(b)));
         let qs = (w.qs.as_ptr().add(b * groups) as *const u8).add(4 * lane0);
         if Q4 {
             // A pair sum is at most 2 · 15 · 127, so a block's 8 pair sums
@@ -234,13 +237,13 @@ unsafe fn avx2<const R: usize, const Q4: bool, const MIN: bool>(
         }
         let d = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr().add(b * PANEL + lane0) as _));
         for i in 0..R {
-            let scale = _mm256_mul_ps(d, _mm256_set1_ps(rows[i].d[b]));
+            let scale = _mm256_mul_ps(d, _mm256_set1_ps(*rows[i].d.add(b)));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
         }
         if MIN {
             let m = _mm256_cvtph_ps(_mm_loadu_si128(w.m.as_ptr().add(b * PANEL + lane0) as _));
             for i in 0..R {
-                acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[i].sx[b]), acc[i]);
+                acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(*rows[i].sx.add(b)), acc[i]);
             }
         }
     }
