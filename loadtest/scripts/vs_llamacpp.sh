@@ -31,7 +31,9 @@ CACHE="${LLAMA_CPP_CACHE:-$HOME/.cache/pdserve/llama.cpp}"
 LLAMA_VERSION="${LLAMA_VERSION:-11434.0.0}"
 mkdir -p "$OUT"
 pids=()
-cleanup() { kill -INT "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
+# TERM, not INT: a background job of a script ignores SIGINT, so up.sh could
+# not pass it on and its router and workers outlived the script.
+cleanup() { kill -TERM "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
 [[ -f "$MODEL" ]] || "$ROOT/deploy/local/fetch-model.sh"

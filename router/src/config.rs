@@ -23,6 +23,37 @@ pub enum Mode {
     Auto,
 }
 
+/// When `auto` mode also prefills longer prompts on their decode worker:
+/// `off`, or while the least-loaded prefill worker has more than this many
+/// prompt tokens pending (and the decode worker fewer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spill {
+    Off,
+    Above(u64),
+}
+
+impl std::str::FromStr for Spill {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "off" => Ok(Self::Off),
+            n => n
+                .parse()
+                .map(Self::Above)
+                .map_err(|_| format!("`{s}` is neither `off` nor a token count")),
+        }
+    }
+}
+
+impl std::fmt::Display for Spill {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Off => f.write_str("off"),
+            Self::Above(n) => write!(f, "{n}"),
+        }
+    }
+}
+
 /// How a pool's worker is chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum PolicyKind {
@@ -59,6 +90,12 @@ pub struct Args {
     /// In `auto` mode, prompts shorter than this are prefilled on the decode worker.
     #[arg(long, env = "PDSERVE_LOCAL_PREFILL_MAX_TOKENS", default_value_t = 32)]
     pub local_prefill_max_tokens: usize,
+    /// In `auto` mode, longer prompts also go to their decode worker's own
+    /// prefill while the least-loaded prefill worker has more than this many
+    /// prompt tokens pending and the decode worker fewer, so a burst uses
+    /// the decode workers' cores too; `off` never.
+    #[arg(long, env = "PDSERVE_LOCAL_PREFILL_SPILL_TOKENS", default_value_t = Spill::Above(512))]
+    pub local_prefill_spill_tokens: Spill,
     /// Static prefill workers (base URLs, comma-separated).
     #[arg(
         long = "prefill-url",
@@ -185,6 +222,7 @@ pub struct Args {
 pub struct DispatchConfig {
     pub mode: Mode,
     pub local_prefill_max_tokens: usize,
+    pub local_prefill_spill: Spill,
     pub request_timeout: Duration,
     pub prefill_timeout: Duration,
     pub prefill_retries: u32,
@@ -258,6 +296,7 @@ impl Args {
         DispatchConfig {
             mode: self.mode,
             local_prefill_max_tokens: self.local_prefill_max_tokens,
+            local_prefill_spill: self.local_prefill_spill_tokens,
             request_timeout: Duration::from_secs(self.request_timeout_seconds),
             prefill_timeout: Duration::from_secs(self.prefill_timeout_seconds),
             prefill_retries: self.prefill_retries,

@@ -23,6 +23,8 @@ pub struct RouterMetrics {
     pub generation_tokens: IntCounter,
     pub in_flight: IntGauge,
     pub prefill_retries: IntCounter,
+    /// Prompts prefilled on their decode worker, by reason.
+    pub local_prefills: IntCounterVec,
     pub worker_errors: IntCounterVec,
     /// Streams moved to another decode worker.
     pub migration: MigrationMetrics,
@@ -37,6 +39,25 @@ pub struct MigrationMetrics {
     /// From a migrated stream's last token on the worker it left to its
     /// first token on the one it joined.
     pub lost: Histogram,
+}
+
+/// Prompts prefilled on their decode worker, every reason's series present from the start.
+fn local_prefills(r: &Registry) -> IntCounterVec {
+    let c = m::counter_vec(
+        r,
+        m::LOCAL_PREFILLS_TOTAL,
+        "Prompts prefilled on their decode worker, by reason: aggregated (the mode), short, no_prefill_worker, or spill (the prefill pool was backed up).",
+        &["reason"],
+    );
+    for reason in [
+        labels::LOCAL_PREFILL_MODE,
+        labels::LOCAL_PREFILL_SHORT,
+        labels::LOCAL_PREFILL_NO_WORKER,
+        labels::LOCAL_PREFILL_SPILL,
+    ] {
+        c.with_label_values(&[reason]);
+    }
+    c
 }
 
 impl MigrationMetrics {
@@ -121,6 +142,7 @@ impl RouterMetrics {
                 m::PREFILL_RETRIES_TOTAL,
                 "Prefill attempts repeated on another worker after a retryable failure.",
             ),
+            local_prefills: local_prefills(&r),
             worker_errors: m::counter_vec(
                 &r,
                 m::WORKER_ERRORS_TOTAL,

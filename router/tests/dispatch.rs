@@ -96,6 +96,41 @@ async fn auto_mode_prefills_short_prompts_locally() {
     );
 }
 
+/// Sends `n` completions at once; returns the spilled prefills the router
+/// counted once all have answered (each must succeed).
+async fn burst_spills(spill: &str, n: usize) -> f64 {
+    let c = cluster(Opts {
+        router_args: &["--mode", "auto", "--local-prefill-spill-tokens", spill],
+        // Real mock latency: 1.8 ms a prompt token, so a burst queues.
+        mock_args: &["--latency-scale", "1"],
+        ..Default::default()
+    })
+    .await;
+    let prompt = "many words here ".repeat(25);
+    let calls = (0..n).map(|_| text(&c.url, &prompt, json!({"max_tokens": 2})));
+    futures_util::future::join_all(calls).await;
+    let m = metrics(&c.url).await;
+    let spilled = metric(&m, "pdserve_local_prefills_total{reason=\"spill\"}");
+    let remote = metric(
+        &m,
+        "pdserve_request_stage_seconds_count{stage=\"kv_transfer\"}",
+    );
+    assert_eq!(spilled + remote, n as f64, "{m}");
+    spilled
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_spills_onto_the_decode_worker_once_the_prefill_pool_backs_up() {
+    // 10 prompts of about 75 tokens: past 150 pending tokens on the
+    // prefill worker, the decode worker prefills the next ones itself.
+    let spilled = burst_spills("150", 10).await;
+    assert!(
+        (1.0..10.0).contains(&spilled),
+        "{spilled} of 10 spilled: the pool and the decode worker should share the burst"
+    );
+    assert_eq!(burst_spills("off", 10).await, 0.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_worker_that_dies_mid_job_is_retried_on_another() {
     // Looks healthy, but drops the connection on every job, as a worker

@@ -17,7 +17,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use pdserve_mock_worker::config::LatencyArgs;
 use pdserve_protocol::kvwire::KvDtype;
-use pdserve_router::config::{Mode, PolicyKind};
+use pdserve_router::config::{Mode, PolicyKind, Spill};
 use pdserve_router::policy::prefix::PrefixTuning;
 use pdserve_worker::decode::DecodeArgs;
 use pdserve_worker::kv::{budget_tokens, Switch};
@@ -70,6 +70,16 @@ pub struct ClusterArgs {
         default_value_t = 32
     )]
     pub local_prefill_max_tokens: usize,
+    /// As the router's `--local-prefill-spill-tokens`: in `auto` mode,
+    /// longer prompts go to their decode worker's own prefill while the
+    /// least-loaded prefill worker has more than this many prompt tokens
+    /// queued and the decode worker fewer; `off` never.
+    #[arg(
+        long,
+        env = "PDSERVE_SIM_LOCAL_PREFILL_SPILL_TOKENS",
+        default_value_t = Spill::Above(512)
+    )]
+    pub local_prefill_spill_tokens: Spill,
     #[arg(long, env = "PDSERVE_SIM_PREFILL_POLICY", value_enum, default_value_t = PolicyKind::Prefix)]
     pub prefill_policy: PolicyKind,
     #[arg(long, env = "PDSERVE_SIM_DECODE_POLICY", value_enum, default_value_t = PolicyKind::Prefix)]
@@ -182,6 +192,7 @@ impl ClusterArgs {
             kv: self.decode.kv.clone(),
             mode: self.mode,
             local_prefill_max_tokens: self.local_prefill_max_tokens,
+            local_prefill_spill: self.local_prefill_spill_tokens,
             prefill_policy: self.prefill_policy,
             decode_policy: self.decode_policy,
             tuning: PrefixTuning {

@@ -19,16 +19,17 @@ use pdserve_runtime::metrics::labels;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+pub mod placement;
 mod pump;
 mod relay;
 
-use crate::config::{DispatchConfig, Mode};
+use crate::config::DispatchConfig;
 use crate::error::ApiError;
 use crate::metrics::{pool_label, RouterMetrics};
 use crate::ndjson::LineReader;
 use crate::policy::prefix::cached_tokens;
 use crate::policy::{Policy, RequestInfo};
-use crate::registry::{Assignment, Registry, WorkerView};
+use crate::registry::{Assignment, PrefillHold, Registry, WorkerView};
 use pump::Pump;
 use relay::Relay;
 
@@ -132,6 +133,9 @@ struct Decode {
     local: bool,
     /// Counts the sequence on the worker until its report does.
     _assigned: Assignment,
+    /// The prompt's tokens bound for the prefill pool, counted until a
+    /// prefill worker's assignment counts them.
+    hold: Option<PrefillHold>,
 }
 
 impl Dispatcher {
@@ -159,15 +163,12 @@ impl Dispatcher {
         }
     }
 
-    /// Whether a prompt of which a decode worker lacks `uncached_tokens` is
-    /// prefilled on that worker.
-    fn local_prefill(&self, uncached_tokens: usize) -> Result<bool, ApiError> {
-        let prefill_up = || self.registry.has_ready(Pool::Prefill);
-        match self.cfg.mode {
-            Mode::Aggregated => Ok(true),
-            Mode::Auto => Ok(uncached_tokens < self.cfg.local_prefill_max_tokens || !prefill_up()),
-            Mode::Disaggregated if prefill_up() => Ok(false),
-            Mode::Disaggregated => Err(ApiError::NoWorker(Pool::Prefill)),
+    /// The rule that places prompts (`auto` mode's thresholds).
+    fn placement_rule(&self) -> placement::Rule {
+        placement::Rule {
+            mode: self.cfg.mode,
+            local_prefill_max_tokens: self.cfg.local_prefill_max_tokens,
+            spill: self.cfg.local_prefill_spill,
         }
     }
 
@@ -203,10 +204,11 @@ impl Dispatcher {
             labels::STAGE_DECODE_RESERVE,
             started.elapsed().as_secs_f64(),
         );
+        let mut decode = decode;
         let prefill = match (&decode.kv_url, decode.local) {
             (Some(kv_url), false) => {
                 let target = (kv_url.as_str(), decode.fingerprint, decode.cached_tokens);
-                Some(self.clone().spawn_prefill(req, target))
+                Some(self.clone().spawn_prefill(req, target, decode.hold.take()))
             }
             (None, false) => {
                 return Err(ApiError::Upstream {
@@ -262,11 +264,28 @@ impl Dispatcher {
             };
             tried.push(w.url.clone());
             let uncached = req.prompt.len() as u64 - cached_tokens(&w, &req.prompt);
-            let local = self.local_prefill(uncached as usize)?;
+            let place = self.placement_rule().place(&self.registry, &w, uncached)?;
+            let local = place.is_local();
             let body = self.generate_body(req, local);
-            let assigned = self.registry.assign(&w.url, info.reserve_tokens);
+            // Counted from now, so requests placed while this one waits for
+            // its reservation see the work: the decode worker's own prefill,
+            // or the tokens bound for the prefill pool.
+            let local_tokens = if local { uncached } else { 0 };
+            let assigned =
+                self.registry
+                    .assign_with_prefill(&w.url, info.reserve_tokens, local_tokens);
+            let hold = (!local).then(|| self.registry.hold_prefill(uncached));
             match self.try_decode(&w, &body, assigned).await {
-                Ok(d) => return Ok(d),
+                Ok(mut d) => {
+                    if let placement::Placement::Local(reason) = place {
+                        self.metrics
+                            .local_prefills
+                            .with_label_values(&[reason])
+                            .inc();
+                    }
+                    d.hold = hold;
+                    return Ok(d);
+                }
                 Err(e) if e.status().is_server_error() => last = e,
                 Err(e) => return Err(e),
             }
@@ -321,6 +340,7 @@ impl Dispatcher {
                     cached_tokens,
                     local: matches!(body.kv_source, KvSource::Local),
                     _assigned: assigned,
+                    hold: None,
                 })
             }
             Ok(Some(GenerateEvent::Error(e))) => Err(self.worker_error(Pool::Decode, e)),
@@ -435,6 +455,7 @@ impl Dispatcher {
         self: Arc<Self>,
         req: &SequenceRequest,
         (kv_url, fingerprint, cached_tokens): (&str, Option<u64>, u32),
+        hold: Option<PrefillHold>,
     ) -> AbortOnDropResult {
         let job = PrefillJob {
             request_id: req.request_id.clone(),
@@ -444,9 +465,9 @@ impl Dispatcher {
             deadline_ms: self.cfg.prefill_timeout.as_millis() as u64,
             cached_tokens,
         };
-        AbortOnDropResult(tokio::spawn(
-            async move { self.prefill(job, fingerprint).await },
-        ))
+        AbortOnDropResult(tokio::spawn(async move {
+            self.prefill(job, fingerprint, hold).await
+        }))
     }
 
     /// Runs the job on a prefill worker, retrying retryable failures on others.
@@ -454,6 +475,7 @@ impl Dispatcher {
         &self,
         job: PrefillJob,
         fingerprint: Option<u64>,
+        mut hold: Option<PrefillHold>,
     ) -> Result<PrefillResult, ApiError> {
         let info = RequestInfo {
             prompt_tokens: job.prompt_tokens.len() as u64,
@@ -473,6 +495,8 @@ impl Dispatcher {
             };
             tried.push(w.url.clone());
             let assigned = self.registry.assign(&w.url, info.prompt_tokens);
+            // The worker's assignment counts the tokens from here on.
+            hold.take();
             let started = Instant::now();
             let call = self.prefill_once(&w.url, &job, &assigned);
             let result = tokio::time::timeout(self.cfg.prefill_timeout, call).await;

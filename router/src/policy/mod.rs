@@ -65,6 +65,7 @@ pub fn build(kind: PolicyKind, pool: Pool, tuning: prefix::PrefixTuning) -> Box<
 pub(crate) fn worker(url: &str, queued_tokens: u64, kv_used: u64, kv_free: u64) -> WorkerView {
     WorkerView {
         url: url.into(),
+        assigned_prefill_tokens: 0,
         load: pdserve_protocol::internal::LoadReport {
             queued_tokens,
             kv_used_tokens: kv_used,

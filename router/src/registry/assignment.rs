@@ -19,6 +19,9 @@ use super::Registry;
 pub(super) struct Sent {
     id: u64,
     tokens: u64,
+    /// Prompt tokens the worker prefills itself (a decode worker's local
+    /// prefill), part of its queue once its report counts the work.
+    prefill: u64,
     /// The worker's acknowledgement, once it answered.
     acked: Option<u64>,
 }
@@ -37,10 +40,11 @@ pub(super) struct InFlight {
 }
 
 impl InFlight {
-    pub(super) fn add(&mut self, id: u64, tokens: u64) {
+    pub(super) fn add(&mut self, id: u64, tokens: u64, prefill: u64) {
         self.sent.push(Sent {
             id,
             tokens,
+            prefill,
             acked: None,
         });
     }
@@ -60,11 +64,22 @@ impl InFlight {
         self.sent.retain(|s| !s.reported_by(report_seq));
     }
 
-    /// Requests and tokens not in the last report.
-    pub(super) fn totals(&self) -> (u64, u64) {
-        let tokens = self.sent.iter().map(|s| s.tokens).sum();
-        (self.sent.len() as u64, tokens)
+    /// Requests, tokens and local-prefill tokens not in the last report.
+    pub(super) fn totals(&self) -> InFlightTotals {
+        InFlightTotals {
+            requests: self.sent.len() as u64,
+            tokens: self.sent.iter().map(|s| s.tokens).sum(),
+            prefill_tokens: self.sent.iter().map(|s| s.prefill).sum(),
+        }
     }
+}
+
+/// What [`InFlight::totals`] counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct InFlightTotals {
+    pub requests: u64,
+    pub tokens: u64,
+    pub prefill_tokens: u64,
 }
 
 /// Numbers the work the router sends.
@@ -90,6 +105,21 @@ impl Assignment {
     }
 }
 
+/// Prompt tokens bound for the prefill pool before a prefill worker is
+/// chosen for them (see [`Registry::hold_prefill`]).
+pub struct PrefillHold {
+    pub(super) registry: Arc<Registry>,
+    pub(super) tokens: u64,
+}
+
+impl Drop for PrefillHold {
+    fn drop(&mut self) {
+        self.registry
+            .held_prefill
+            .fetch_sub(self.tokens, Ordering::Relaxed);
+    }
+}
+
 impl Drop for Assignment {
     fn drop(&mut self) {
         self.registry
@@ -101,23 +131,28 @@ impl Drop for Assignment {
 mod tests {
     use super::*;
 
+    fn totals(f: &InFlight) -> (u64, u64, u64) {
+        let t = f.totals();
+        (t.requests, t.tokens, t.prefill_tokens)
+    }
+
     #[test]
     fn work_counts_until_a_later_report_or_its_end() {
         let mut f = InFlight::default();
-        f.add(1, 100);
-        f.add(2, 50);
-        f.add(3, 10);
+        f.add(1, 100, 0);
+        f.add(2, 50, 0);
+        f.add(3, 10, 4);
         f.acknowledge(1, 7);
         f.acknowledge(2, 9);
         // Report 8 was built after work 1 was acknowledged (at 7): it counts it.
         f.reported(8);
-        assert_eq!(f.totals(), (2, 60));
+        assert_eq!(totals(&f), (2, 60, 4));
         // Report 9 may predate work 2's acknowledgement (at 9): still ours.
         f.reported(9);
-        assert_eq!(f.totals(), (2, 60));
+        assert_eq!(totals(&f), (2, 60, 4));
         f.reported(10);
-        assert_eq!(f.totals(), (1, 10), "work 3 is not acknowledged yet");
+        assert_eq!(totals(&f), (1, 10, 4), "work 3 is not acknowledged yet");
         f.remove(3);
-        assert_eq!(f.totals(), (0, 0));
+        assert_eq!(totals(&f), (0, 0, 0));
     }
 }

@@ -6,14 +6,15 @@ mod assignment;
 mod quarantine;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use pdserve_protocol::internal::{Heartbeat, LoadReport, Pool, WorkerRegistration};
 use pdserve_protocol::prefix::{PrefixDigest, PrefixSet};
 
-pub use assignment::Assignment;
 use assignment::InFlight;
+pub use assignment::{Assignment, PrefillHold};
 use quarantine::Quarantine;
 
 /// How the router learnt about a worker.
@@ -89,6 +90,9 @@ pub struct WorkerView {
     pub load: LoadReport,
     pub assigned_requests: u64,
     pub assigned_tokens: u64,
+    /// Prompt tokens sent for the worker to prefill itself (a decode
+    /// worker's local prefill) that its last report does not count.
+    pub assigned_prefill_tokens: u64,
     pub fingerprint: Option<u64>,
     /// The blocks its prefix cache holds; `None` when it reports none.
     pub prefix: Option<Arc<PrefixSet>>,
@@ -100,6 +104,9 @@ pub struct Registry {
     /// Registered workers removed for going silent, and when: their
     /// streams are lost too (see [`Registry::is_lost`]).
     expired: Mutex<HashMap<String, Instant>>,
+    /// Prompt tokens bound for the prefill pool whose prefill worker is not
+    /// chosen yet ([`Registry::hold_prefill`]).
+    held_prefill: AtomicU64,
 }
 
 /// How long a worker removed for silence still counts as lost.
@@ -340,12 +347,13 @@ impl Registry {
                 _ => true,
             })
             .map(|(url, e)| {
-                let (assigned_requests, assigned_tokens) = e.in_flight.totals();
+                let sent = e.in_flight.totals();
                 WorkerView {
                     url: url.clone(),
                     load: e.load.clone(),
-                    assigned_requests,
-                    assigned_tokens,
+                    assigned_requests: sent.requests,
+                    assigned_tokens: sent.tokens,
+                    assigned_prefill_tokens: sent.prefill_tokens,
                     fingerprint: e.fingerprint,
                     prefix: e.prefix.as_ref().map(|(_, set)| set.clone()),
                 }
@@ -390,13 +398,41 @@ impl Registry {
     /// Counts work of `tokens` sent to `url` until the worker's report
     /// counts it (see [`Assignment::acknowledged`]) or the guard is dropped.
     pub fn assign(self: &Arc<Self>, url: &str, tokens: u64) -> Assignment {
+        self.assign_with_prefill(url, tokens, 0)
+    }
+
+    /// [`Self::assign`] for work that also has the worker prefill
+    /// `prefill` prompt tokens itself (a decode worker's local prefill).
+    pub fn assign_with_prefill(
+        self: &Arc<Self>,
+        url: &str,
+        tokens: u64,
+        prefill: u64,
+    ) -> Assignment {
         let id = assignment::next_id();
-        self.with_in_flight(url, |f| f.add(id, tokens));
+        self.with_in_flight(url, |f| f.add(id, tokens, prefill));
         Assignment {
             registry: self.clone(),
             url: url.to_string(),
             id,
         }
+    }
+
+    /// Counts `tokens` bound for the prefill pool from the moment a request
+    /// decides to send them until the guard is dropped (once a prefill
+    /// worker's assignment counts them): requests deciding meanwhile see
+    /// them ([`Self::held_prefill`]).
+    pub fn hold_prefill(self: &Arc<Self>, tokens: u64) -> PrefillHold {
+        self.held_prefill.fetch_add(tokens, Ordering::Relaxed);
+        PrefillHold {
+            registry: self.clone(),
+            tokens,
+        }
+    }
+
+    /// Prompt tokens held for the prefill pool, not yet on any worker.
+    pub fn held_prefill(&self) -> u64 {
+        self.held_prefill.load(Ordering::Relaxed)
     }
 
     fn with_in_flight(&self, url: &str, f: impl FnOnce(&mut InFlight)) {

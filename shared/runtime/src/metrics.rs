@@ -40,6 +40,7 @@ pub const WORKER_ERRORS_TOTAL: &str = "pdserve_worker_errors_total";
 pub const MIGRATIONS_TOTAL: &str = "pdserve_migrations_total";
 pub const RUNTIME_ALIVE_TASKS: &str = "pdserve_runtime_alive_tasks";
 pub const MIGRATION_LOST_SECONDS: &str = "pdserve_migration_lost_seconds";
+pub const LOCAL_PREFILLS_TOTAL: &str = "pdserve_local_prefills_total";
 // The autoscaler's signals and decision (router).
 pub const PREFILL_BACKLOG_SECONDS: &str = "pdserve_prefill_backlog_seconds";
 pub const POOL_KV_USAGE_RATIO: &str = "pdserve_pool_kv_usage_ratio";
@@ -63,6 +64,11 @@ pub mod labels {
     pub const ENDPOINT_CHAT: &str = "chat";
     pub const ENDPOINT_COMPLETIONS: &str = "completions";
     /// Request stages timed by the router.
+    // Why a prompt was prefilled on its decode worker (`reason`).
+    pub const LOCAL_PREFILL_MODE: &str = "aggregated";
+    pub const LOCAL_PREFILL_SHORT: &str = "short";
+    pub const LOCAL_PREFILL_NO_WORKER: &str = "no_prefill_worker";
+    pub const LOCAL_PREFILL_SPILL: &str = "spill";
     pub const STAGE_DECODE_RESERVE: &str = "decode_reserve";
     pub const STAGE_PREFILL_QUEUE: &str = "prefill_queue";
     pub const STAGE_PREFILL: &str = "prefill";

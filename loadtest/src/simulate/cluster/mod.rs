@@ -32,7 +32,7 @@ use std::collections::{BinaryHeap, VecDeque};
 
 use pdserve_mock_worker::latency::LatencyModel;
 use pdserve_protocol::internal::Pool;
-use pdserve_router::config::{Mode, PolicyKind};
+use pdserve_router::config::{Mode, PolicyKind, Spill};
 use pdserve_router::policy::{self, prefix::PrefixTuning};
 use pdserve_worker::kv::KvArgs;
 
@@ -59,6 +59,7 @@ pub struct ClusterCfg {
     pub kv: KvArgs,
     pub mode: Mode,
     pub local_prefill_max_tokens: usize,
+    pub local_prefill_spill: Spill,
     pub prefill_policy: PolicyKind,
     pub decode_policy: PolicyKind,
     pub tuning: PrefixTuning,

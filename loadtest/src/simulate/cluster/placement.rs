@@ -170,6 +170,7 @@ pub(super) fn view(pool: &str, i: usize) -> WorkerView {
         },
         assigned_requests: 0,
         assigned_tokens: 0,
+        assigned_prefill_tokens: 0,
         fingerprint: Some(SEED),
         prefix: None,
     }

@@ -1,6 +1,7 @@
 //! The router's dispatch and each pool's schedule, event by event.
 
-use pdserve_router::config::Mode;
+use pdserve_router::config::{Mode, Spill};
+use pdserve_router::dispatch::placement::spills;
 use pdserve_router::policy::RequestInfo;
 
 use super::placement::extend_hashes;
@@ -53,7 +54,11 @@ impl Sim {
         let uncached = prompt_len - cached;
         let local = match self.cfg.mode {
             Mode::Aggregated => true,
-            Mode::Auto => uncached < self.cfg.local_prefill_max_tokens || self.prefill.is_empty(),
+            Mode::Auto => {
+                uncached < self.cfg.local_prefill_max_tokens
+                    || self.prefill.is_empty()
+                    || self.spills(w)
+            }
             Mode::Disaggregated => false,
         };
         if local {
@@ -66,6 +71,26 @@ impl Sim {
             self.fail(s, "http_503");
         }
         self.sync_decode(w);
+    }
+
+    /// The router's spill rule: the least-loaded prefill worker's queued
+    /// prompt tokens against those waiting for a local prefill on `w`.
+    fn spills(&self, w: usize) -> bool {
+        let Spill::Above(limit) = self.cfg.local_prefill_spill else {
+            return false;
+        };
+        let Some(pool) = self.prefill.iter().map(|p| p.queued_tokens).min() else {
+            return false;
+        };
+        let local = self.decode[w]
+            .waiting
+            .iter()
+            .map(|&s| {
+                let seq = self.seq(s);
+                (seq.req.prompt.len() - seq.prefilled) as u64
+            })
+            .sum();
+        spills(limit, pool, local)
     }
 
     /// Queues the prompt on a prefill worker; false when none takes it.
