@@ -23,14 +23,11 @@ macro_rules! by_kind {
 macro_rules! upto8 {
     ($f:ident, $q4:expr, $min:expr, $r:expr, ($($arg:expr),*)) => {
         match $r {
-            1 => $f::<1, $q4, $min>($($arg),*),
-            2 => $f::<2, $q4, $min>($($arg),*),
-            3 => $f::<3, $q4, $min>($($arg),*),
-            4 => $f::<4, $q4, $min>($($arg),*),
             5 => $f::<5, $q4, $min>($($arg),*),
             6 => $f::<6, $q4, $min>($($arg),*),
             7 => $f::<7, $q4, $min>($($arg),*),
-            _ => $f::<8, $q4, $min>($($arg),*),
+            r if r >= 8 => $f::<8, $q4, $min>($($arg),*),
+            r => upto4!($f, $q4, $min, r, ($($arg),*)),
         }
     };
 }
