@@ -199,12 +199,11 @@ impl Dispatcher {
         deadline: tokio::time::Instant,
     ) -> Result<Pump, ApiError> {
         let started = Instant::now();
-        let decode = self.open_decode(req).await?;
+        let mut decode = self.open_decode(req).await?;
         self.observe_stage(
             labels::STAGE_DECODE_RESERVE,
             started.elapsed().as_secs_f64(),
         );
-        let mut decode = decode;
         let prefill = match (&decode.kv_url, decode.local) {
             (Some(kv_url), false) => {
                 let target = (kv_url.as_str(), decode.fingerprint, decode.cached_tokens);

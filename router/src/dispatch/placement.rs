@@ -11,7 +11,6 @@ use pdserve_runtime::metrics::labels;
 
 use crate::config::{Mode, Spill};
 use crate::error::ApiError;
-use crate::policy::cost;
 use crate::registry::{Registry, WorkerView};
 
 /// Where one prompt is prefilled, and why (the metric's label).
@@ -65,13 +64,12 @@ impl Rule {
         let Spill::Above(limit) = self.spill else {
             return false;
         };
-        let pool = registry.candidates(Pool::Prefill, w.fingerprint);
-        let Some(least) = pool.iter().map(|p| cost(Pool::Prefill, p)).min() else {
+        let Some((least, ready)) = registry.least_prefill_pending(w.fingerprint) else {
             return false;
         };
         // Prompts that chose the pool but have no prefill worker yet spread
         // over it as the least-load policy will place them.
-        let pool_pending = least + registry.held_prefill() / pool.len() as u64;
+        let pool_pending = least + registry.held_prefill() / ready as u64;
         let local_pending = w.load.queued_tokens + w.assigned_prefill_tokens;
         spills(limit, pool_pending, local_pending)
     }

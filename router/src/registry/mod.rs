@@ -361,6 +361,26 @@ impl Registry {
             .collect()
     }
 
+    /// The fewest pending prompt tokens of a ready prefill worker (its
+    /// report plus work sent since, as `policy::cost` counts it), and how
+    /// many ready ones there are; optionally only those with `fingerprint`.
+    /// No views are built: the spill rule asks on every placement.
+    pub fn least_prefill_pending(&self, fingerprint: Option<u64>) -> Option<(u64, usize)> {
+        let map = self.lock();
+        let pending = map
+            .values()
+            .filter(|e| e.pool == Pool::Prefill && e.health == Health::Ready)
+            .filter(|e| match (fingerprint, e.fingerprint) {
+                (Some(a), Some(b)) => a == b,
+                _ => true,
+            })
+            .map(|e| e.load.queued_tokens + e.in_flight.totals().tokens);
+        pending.fold(None, |acc, p| match acc {
+            None => Some((p, 1)),
+            Some((least, n)) => Some((least.min(p), n + 1)),
+        })
+    }
+
     /// The KV cache size (used + free tokens) each ready worker of `pool`
     /// last reported.
     pub fn kv_sizes(&self, pool: Pool) -> Vec<u64> {
