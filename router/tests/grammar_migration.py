@@ -18,12 +18,18 @@ for p in ports:
     procs.append(subprocess.Popen([f"{BIN}/pdserve-decode", "--model", MODEL, "--port", str(p), "--threads", "1"], env=env))
 router = subprocess.Popen([f"{BIN}/pdserve-router", "--model", MODEL, "--port", str(router_port), "--served-model-name", "m",
     "--mode", "aggregated", "--decode-url", ",".join(f"http://127.0.0.1:{p}" for p in ports), "--health-interval-ms", "200"], env=env)
-try:
-    for _ in range(120):
+def wait_ready(port):
+    for _ in range(240):
         try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{router_port}/ready").status == 200: break
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/ready").status == 200: return
         except Exception: pass
         time.sleep(0.5)
+    raise SystemExit(f"nothing ready on port {port} after 2 minutes")
+try:
+    # Both workers, not just the router: the stream must have somewhere to go.
+    for p in [router_port] + ports: wait_ready(p)
+    # The router's next poll sees the second worker ready.
+    time.sleep(1)
     # Exactly six people: an open-ended array lets a sampled answer run past
     # max_tokens before it closes, whatever the migration does.
     SCHEMA = {"type": "object", "properties": {"people": {"type": "array", "minItems": 6, "maxItems": 6, "items": {"type": "object",

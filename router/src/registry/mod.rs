@@ -74,6 +74,11 @@ struct Entry {
     failed_polls: u32,
     /// Out of placement after a failed connection or stream.
     quarantine: Quarantine,
+    /// Whether it has ever reported (poll or heartbeat). Before its first
+    /// report a worker is still starting: failures then are not an outage
+    /// and take no quarantine strike, so a slow start is not punished by a
+    /// backoff that outlasts it.
+    reported: bool,
     /// The blocks its prefix cache holds, as last reported (the digest is
     /// kept to skip parsing an unchanged one).
     prefix: Option<(PrefixDigest, Arc<PrefixSet>)>,
@@ -149,6 +154,7 @@ impl Registry {
             in_flight: InFlight::default(),
             failed_polls: 0,
             quarantine: Quarantine::default(),
+            reported: false,
             prefix: None,
         });
         entry.pool = pool;
@@ -245,6 +251,7 @@ impl Registry {
             false => health_of(&load),
         };
         e.failed_polls = 0;
+        e.reported = true;
         e.in_flight.reported(load.report_seq);
         e.load = load;
         e.last_seen = Instant::now();
@@ -276,7 +283,8 @@ impl Registry {
         let now = Instant::now();
         if let Some(e) = self.lock().get_mut(url) {
             // Failures during a quarantine are the same outage: one strike.
-            if !e.quarantine.active(now) {
+            // A worker that never reported is starting, not failing.
+            if e.reported && !e.quarantine.active(now) {
                 let backoff = e.quarantine.strike(now);
                 let ms = backoff.as_millis() as u64;
                 tracing::warn!(%url, backoff_ms = ms, "worker marked down: quarantined");

@@ -2,7 +2,8 @@
 //! placement for a backoff that doubles with each failure in a row (0.5 s,
 //! 1 s, 2 s, … at most 30 s), even if it keeps reporting: a worker that
 //! heartbeats but cannot serve does not flap back in after every report.
-//! A minute without failures forgives the past ones.
+//! A minute without failures forgives the past ones. A worker that has never
+//! reported is starting, not failing: its failures take no strike.
 
 use std::time::{Duration, Instant};
 

@@ -60,6 +60,24 @@ fn one_slow_poll_is_not_an_outage() {
 }
 
 #[test]
+fn a_slow_start_is_not_quarantined() {
+    let r = Registry::default();
+    r.add_static(Pool::Decode, "http://d");
+    // Still loading its model: its polls fail, for as long as it takes.
+    for _ in 0..5 {
+        (0..POLL_FAILURES_DOWN).for_each(|_| r.poll_failed("http://d"));
+    }
+    assert!(r.candidates(Pool::Decode, None).is_empty());
+    // Its first good report brings it in at once...
+    r.record_load("http://d", ready(0));
+    assert_eq!(r.candidates(Pool::Decode, None).len(), 1);
+    // ...and from then on a failure is an outage, with its backoff.
+    r.mark_down("http://d");
+    r.record_load("http://d", ready(0));
+    assert!(r.candidates(Pool::Decode, None).is_empty());
+}
+
+#[test]
 fn unknown_heartbeats_ask_for_registration() {
     let r = Registry::default();
     assert!(!r.heartbeat(&Heartbeat {
