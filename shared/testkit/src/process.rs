@@ -107,6 +107,15 @@ impl WorkerProcess {
         assert!(status.success(), "kill -TERM {} failed", self.pid);
     }
 
+    /// Sends SIGKILL: the process dies without a drain.
+    pub fn kill(&mut self) {
+        let status = Command::new("kill")
+            .args(["-KILL", &self.pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -KILL {} failed", self.pid);
+    }
+
     /// Waits for the process to exit, failing the test after `within`.
     pub async fn exit_status(&mut self, within: Duration) -> ExitStatus {
         let rx = self.exited.take().expect("exit status awaited once");

@@ -14,10 +14,13 @@ use tokio_util::sync::CancellationToken;
 /// Registration flags, flattened into each worker's arguments.
 #[derive(Args, Debug, Clone)]
 pub struct RegistrationArgs {
-    /// The router to register with and heartbeat to (none: the router must be
-    /// told about this worker by its static list or DNS).
-    #[arg(long, env = "PDSERVE_ROUTER_URL")]
-    pub router_url: Option<String>,
+    /// The routers to register with and heartbeat to, comma-separated (none:
+    /// the routers must be told about this worker by their static lists or
+    /// DNS). Several routers behind one address each get the same reports,
+    /// so each places work as the others would, and losing one loses only
+    /// the streams it carried.
+    #[arg(long, env = "PDSERVE_ROUTER_URL", value_delimiter = ',')]
+    pub router_url: Vec<String>,
     /// Milliseconds between heartbeats.
     #[arg(long, env = "PDSERVE_HEARTBEAT_MS", default_value_t = 500)]
     pub heartbeat_ms: u64,
@@ -27,28 +30,51 @@ pub struct RegistrationArgs {
     pub worker_id: Option<String>,
 }
 
-/// Starts [`spawn`] when the worker was given `--router-url`.
+impl RegistrationArgs {
+    /// The routers, without empty entries or trailing slashes.
+    pub fn routers(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for r in &self.router_url {
+            let r = r.trim().trim_end_matches('/');
+            if !r.is_empty() && !out.iter().any(|o| o == r) {
+                out.push(r.to_string());
+            }
+        }
+        out
+    }
+}
+
+/// Starts [`spawn`] for each router of `--router-url`, all under one worker
+/// id: every router knows this worker by the same identity.
 pub fn start(
     args: &RegistrationArgs,
     token: &InternalToken,
     mut registration: WorkerRegistration,
     load: Arc<dyn Fn() -> LoadReport + Send + Sync>,
     stop: CancellationToken,
-) -> Option<tokio::task::JoinHandle<()>> {
-    let router = args.router_url.clone()?;
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let routers = args.routers();
+    if routers.is_empty() {
+        return Vec::new();
+    }
     let every = Duration::from_millis(args.heartbeat_ms);
     let id = args.worker_id.clone();
     registration.worker_id =
         Some(id.unwrap_or_else(|| Secret::generate().expose()[..16].to_string()));
-    Some(spawn(router, registration, every, token, load, stop))
+    routers
+        .into_iter()
+        .map(|router| {
+            let reg = registration.clone();
+            spawn(router, reg, every, token, load.clone(), stop.clone())
+        })
+        .collect()
 }
 
-/// Waits (briefly) for the deregistration to reach the router, so a worker
+/// Waits (briefly) for the deregistrations to reach the routers, so a worker
 /// that drained at once does not exit before saying so.
-pub async fn finish(task: Option<tokio::task::JoinHandle<()>>) {
-    if let Some(t) = task {
-        let _ = tokio::time::timeout(Duration::from_secs(3), t).await;
-    }
+pub async fn finish(tasks: Vec<tokio::task::JoinHandle<()>>) {
+    let all = futures_util::future::join_all(tasks);
+    let _ = tokio::time::timeout(Duration::from_secs(3), all).await;
 }
 
 /// Registers, then heartbeats `load()` until `stop` is cancelled, then deregisters.
@@ -192,6 +218,21 @@ mod tests {
         assert_eq!(seen[0].1["pool"], "decode");
         let beat = &seen.iter().find(|(w, _)| w == "heartbeat").unwrap().1;
         assert_eq!(beat["load"]["queued_requests"], 3);
+    }
+
+    #[test]
+    fn router_url_takes_a_list() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            reg: RegistrationArgs,
+        }
+        let parse = |argv: &[&str]| <Cli as clap::Parser>::parse_from(argv).reg.routers();
+        assert!(parse(&["w"]).is_empty());
+        assert_eq!(
+            parse(&["w", "--router-url", "http://a:1/, http://b:2,,http://a:1"]),
+            ["http://a:1", "http://b:2"]
+        );
     }
 
     #[tokio::test]

@@ -53,17 +53,17 @@ struct Learned {
 pub struct Destinations {
     fixed: HashSet<String>,
     dns: Option<String>,
-    router: Option<String>,
+    routers: Vec<String>,
     client: reqwest::Client,
     learned: tokio::sync::Mutex<Learned>,
 }
 
 impl Destinations {
-    /// From the flags, the router the worker registers with (if any) and the
-    /// token its requests to the router carry.
+    /// From the flags, the routers the worker registers with (if any) and
+    /// the token its requests to them carry.
     pub fn new(
         args: &DestinationArgs,
-        router: Option<&str>,
+        routers: &[String],
         token: &InternalToken,
     ) -> Result<Self, String> {
         let fixed = args
@@ -80,7 +80,10 @@ impl Destinations {
         Ok(Self {
             fixed,
             dns: args.decode_dns.clone(),
-            router: router.map(|r| r.trim_end_matches('/').to_string()),
+            routers: routers
+                .iter()
+                .map(|r| r.trim_end_matches('/').to_string())
+                .collect(),
             client,
             learned: Default::default(),
         })
@@ -88,7 +91,7 @@ impl Destinations {
 
     /// Whether any source of decode workers is configured.
     pub fn has_sources(&self) -> bool {
-        !self.fixed.is_empty() || self.dns.is_some() || self.router.is_some()
+        !self.fixed.is_empty() || self.dns.is_some() || !self.routers.is_empty()
     }
 
     /// Accepts `url` only as `<known decode worker>/v1/internal/kv/<request_id>`.
@@ -121,10 +124,11 @@ impl Destinations {
         }
     }
 
-    /// The decode workers the router lists and the DNS name resolves to.
+    /// The decode workers the routers list and the DNS name resolves to: a
+    /// router that is down lists nothing, the others still do.
     async fn look_up(&self) -> HashSet<String> {
         let mut bases = HashSet::new();
-        if let Some(router) = &self.router {
+        for router in &self.routers {
             let url = format!("{router}/v1/internal/workers?pool=decode");
             let listed = async {
                 let resp = self.client.get(&url).send().await.ok()?;
@@ -190,7 +194,7 @@ mod tests {
     #[tokio::test]
     async fn only_a_known_decode_workers_reservation_url_is_accepted() {
         let token = InternalToken::default();
-        let d = Destinations::new(&args(&["http://10.0.0.2:8200"]), None, &token).unwrap();
+        let d = Destinations::new(&args(&["http://10.0.0.2:8200"]), &[], &token).unwrap();
         assert!(d
             .check("http://10.0.0.2:8200/v1/internal/kv/r1", "r1")
             .await
@@ -207,7 +211,7 @@ mod tests {
             let e = d.check(bad, "r1").await.unwrap_err();
             assert_eq!(e.kind, ErrorKind::KvDestinationRefused, "{bad}");
         }
-        let none = Destinations::new(&args(&[]), None, &token).unwrap();
+        let none = Destinations::new(&args(&[]), &[], &token).unwrap();
         assert!(!none.has_sources());
         assert!(none
             .check("http://10.0.0.2:8200/v1/internal/kv/r1", "r1")

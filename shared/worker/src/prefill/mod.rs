@@ -103,8 +103,8 @@ impl PrefillNet {
     /// From a worker's server flags and its destination flags.
     pub fn from_args(server: &ServerArgs, args: &DestinationArgs) -> Result<Self, String> {
         let token = server.auth.token();
-        let router = server.registration.router_url.as_deref();
-        let destinations = Destinations::new(args, router, &token)?;
+        let routers = server.registration.routers();
+        let destinations = Destinations::new(args, &routers, &token)?;
         if !destinations.has_sources() {
             tracing::warn!(
                 "no decode workers known (no --router-url, --decode-url or --decode-dns): \
