@@ -1,37 +1,102 @@
 #!/usr/bin/env bash
-# The router's own cost: mock workers that take no time (--latency-scale 0),
-# a router in front of them, and closed-loop load at a given concurrency.
-# Prints the load test's table, then the router's CPU seconds and peak RSS.
+# The router's own cost: mock workers that take no compute time, a router in
+# front of them, and closed-loop streaming load at a given concurrency.
+# Prints the load test's table, the router's CPU seconds, peak RSS and open
+# descriptors, and the latency the router adds.
 #
 #   loadtest/scripts/router_overhead.sh 1000 [extra load-test args]
+#   RATE=300 loadtest/scripts/router_overhead.sh open [extra load-test args]
+#
+# With RATE, arrivals are Poisson at that many requests per second (open
+# loop) instead of a closed loop of the given number of streams.
+#
+# PACE_MS=N holds streams open without computing anything: the mock decode
+# worker emits one token for its whole batch every N ms (its prefill is
+# free). Without it (PACE_MS=0) the mocks answer at once.
+# WORKER_PROTOCOL=http1|http2 picks the router's calls to workers.
+# PIN=1 gives the router core 0 and everything else (mocks, load
+# generator) core 1, as a deployment would give the router its own core.
+#
+# Added latency, per request: the client's end-to-end time minus the decode
+# worker's own span of it (from the arrival of the router's generate call to
+# the end of its stream, logged by the worker as `generate stream closed`),
+# paired by request id. What is left is the router (tokenizing, templating,
+# placement, the prefill call, relaying every token as SSE) plus loopback.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BIN="${PDSERVE_BIN:-$ROOT/target/release}"
 MODEL="${PDSERVE_MODEL:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
-C="${1:?concurrency}"; shift
+PACE_MS="${PACE_MS:-0}"
+C="${1:?concurrency (or any label, with RATE)}"; shift
+on_router=(); on_rest=()
+if [ "${PIN:-0}" = 1 ]; then on_router=(taskset -c 0); on_rest=(taskset -c 1); fi
+if [ -n "${RATE:-}" ]; then load=(--rate "$RATE"); else load=(--concurrency "$C"); fi
 P=18401; D=18402; R=18410
-ulimit -n 65536 2>/dev/null || true
+ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+OUT="$(mktemp -d)"
 pids=()
-cleanup() { kill -TERM "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
+cleanup() { kill -TERM "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$OUT"; }
 trap cleanup EXIT
-mock=(--model "$MODEL" --latency-scale 0 --log warn)
-"$BIN/pdserve-mock-worker" --pool prefill --port $P --max-queue 100000 "${mock[@]}" & pids+=($!)
-"$BIN/pdserve-mock-worker" --pool decode --port $D --max-batch 100000 --max-queue 100000 \
-    --kv-cache-tokens 100000000 "${mock[@]}" & pids+=($!)
-"$BIN/pdserve-router" --model "$MODEL" --port $R --mode disaggregated \
+if [ "$PACE_MS" = 0 ]; then
+    mock=(--model "$MODEL" --latency-scale 0)
+else
+    mock=(--model "$MODEL" --prefill-fixed-ms 0 --prefill-ms-per-token 0
+          --step-fixed-ms "$PACE_MS" --step-ms-per-seq 0)
+fi
+"${on_rest[@]}" "$BIN/pdserve-mock-worker" --pool prefill --port $P --max-queue 100000 --log warn \
+    --decode-url "http://127.0.0.1:$D" "${mock[@]}" & pids+=($!)
+"${on_rest[@]}" "$BIN/pdserve-mock-worker" --pool decode --port $D --max-batch 100000 --max-queue 100000 \
+    --kv-cache-tokens 100000000 --log "warn,pdserve_worker::decode::generate=debug" \
+    "${mock[@]}" 2>"$OUT/decode.log" & pids+=($!)
+"${on_router[@]}" "$BIN/pdserve-router" --model "$MODEL" --port $R --mode disaggregated \
     --prefill-url "http://127.0.0.1:$P" --decode-url "http://127.0.0.1:$D" \
+    --worker-protocol "${WORKER_PROTOCOL:-http2}" \
     --max-concurrent-requests 100000 --log warn & ROUTER=$!; pids+=($ROUTER)
 for _ in $(seq 1 120); do
     curl -sf "http://127.0.0.1:$R/ready" >/dev/null && break
     sleep 0.25
 done
 cpu() { awk '{print $14 + $15}' "/proc/$ROUTER/stat"; }
+fds=0
+watch_fds() {
+    while kill -0 "$ROUTER" 2>/dev/null; do
+        n=$(ls "/proc/$ROUTER/fd" 2>/dev/null | wc -l); [ "$n" -gt "$fds" ] && fds=$n
+        echo "$fds" >"$OUT/fds"; sleep 0.5
+    done
+}
+watch_fds & pids+=($!)
 before=$(cpu)
 start=$(date +%s.%N)
-"$BIN/pdserve-loadtest" run --url "http://127.0.0.1:$R" --concurrency "$C" --no-progress "$@"
+"${on_rest[@]}" "$BIN/pdserve-loadtest" run --url "http://127.0.0.1:$R" --no-progress "${load[@]}" \
+    --json "$OUT/run.json" "$@"
 end=$(date +%s.%N)
 after=$(cpu)
 ticks=$(getconf CLK_TCK)
 awk -v b="$before" -v a="$after" -v t="$ticks" -v s="$start" -v e="$end" \
     'BEGIN { printf "router CPU: %.1f s over %.1f s of load (%.0f%% of one core)\n", (a-b)/t, e-s, 100*(a-b)/t/(e-s) }'
 grep -E "VmHWM|VmRSS" "/proc/$ROUTER/status"
+echo "router open descriptors, peak: $(cat "$OUT/fds" 2>/dev/null || echo ?)"
+python3 - "$OUT/run.json" "$OUT/decode.log" <<'PY'
+import json, re, sys
+run = json.load(open(sys.argv[1]))
+spans = {}
+for line in open(sys.argv[2], errors="replace"):
+    m = re.search(r'request_id=(\S+) elapsed_us=(\d+)', line)
+    if m:
+        spans[m.group(1)] = int(m.group(2)) / 1e3
+added = []
+for point in run.get("points", [run]):
+    for t in point.get("targets", []):
+        for r in t.get("records", []):
+            if r.get("error") or r.get("warmup") or not r.get("id"):
+                continue
+            span = spans.get(r["id"] + "-0")
+            if span is not None:
+                added.append(r["e2e"] * 1e3 - span)
+if not added:
+    sys.exit("no request paired with the decode worker's log")
+added.sort()
+pct = lambda q: added[min(len(added) - 1, int(q * len(added)))]
+print(f"added latency (client E2E - decode worker span), {len(added)} requests: "
+      f"p50 {pct(0.5):.2f} ms, p90 {pct(0.9):.2f} ms, p99 {pct(0.99):.2f} ms, max {added[-1]:.2f} ms")
+PY

@@ -26,6 +26,13 @@ pub enum Mode {
 /// When `auto` mode also prefills longer prompts on their decode worker:
 /// `off`, or while the least-loaded prefill worker has more than this many
 /// prompt tokens pending (and the decode worker fewer).
+/// The HTTP version of the router's calls to workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WorkerProtocol {
+    Http1,
+    Http2,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Spill {
     Off,
@@ -188,6 +195,13 @@ pub struct Args {
         default_value_t = 10_000
     )]
     pub worker_connect_timeout_ms: u64,
+    /// How the router talks to workers: `http2` multiplexes every request
+    /// to one worker over one connection (cleartext, prior knowledge; a
+    /// router holding 10,000 streams then holds one socket per worker, not
+    /// one per stream); `http1` opens a connection per concurrent request,
+    /// for a proxy in between that only speaks HTTP/1.1.
+    #[arg(long, env = "PDSERVE_WORKER_PROTOCOL", value_enum, default_value_t = WorkerProtocol::Http2)]
+    pub worker_protocol: WorkerProtocol,
     /// Decode workers tried before a request fails with 503.
     #[arg(long, env = "PDSERVE_DECODE_ATTEMPTS", default_value_t = 3)]
     pub decode_attempts: u32,
@@ -228,6 +242,7 @@ pub struct DispatchConfig {
     pub prefill_retries: u32,
     pub decode_attempts: u32,
     pub connect_timeout: Duration,
+    pub worker_protocol: WorkerProtocol,
     pub migration: MigrationConfig,
 }
 
@@ -302,6 +317,7 @@ impl Args {
             prefill_retries: self.prefill_retries,
             decode_attempts: self.decode_attempts,
             connect_timeout: Duration::from_millis(self.worker_connect_timeout_ms.max(1)),
+            worker_protocol: self.worker_protocol,
             migration: MigrationConfig {
                 limit: self.migration_limit,
                 max_tokens: self.migration_max_tokens,

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use pdserve_protocol::internal::{LoadReport, Pool};
-use pdserve_runtime::auth::InternalToken;
 use tokio_util::sync::CancellationToken;
 
 use crate::registry::Registry;
@@ -36,18 +35,15 @@ pub struct DiscoveryConfig {
 }
 
 /// Starts the DNS and health loops; they stop when `stop` is cancelled.
+/// Polls go out on `client`, the dispatcher's: over HTTP/2 they share its
+/// one connection to each worker (and notice when that connection fails).
 pub fn spawn(
     registry: Arc<Registry>,
     cfg: DiscoveryConfig,
-    token: &InternalToken,
+    client: reqwest::Client,
     stop: CancellationToken,
 ) {
-    let client = reqwest::Client::builder()
-        .pool_idle_timeout(pdserve_runtime::net::POOL_IDLE_TIMEOUT)
-        .default_headers(token.client_headers())
-        .timeout(cfg.health_interval.max(Duration::from_millis(200)))
-        .build()
-        .unwrap_or_default();
+    let timeout = cfg.health_interval.max(Duration::from_millis(200));
     let dns: Vec<(Pool, String)> = [
         (Pool::Prefill, cfg.prefill_dns.clone()),
         (Pool::Decode, cfg.decode_dns.clone()),
@@ -79,7 +75,7 @@ pub fn spawn(
                 _ = stop.cancelled() => break,
                 _ = tick.tick() => {}
             }
-            poll_once(&registry, &client).await;
+            poll_once(&registry, &client, timeout).await;
             registry.expire(cfg.worker_timeout);
         }
     });
@@ -102,9 +98,9 @@ async fn resolve_into(registry: &Registry, pool: Pool, name: &str) {
 }
 
 /// Asks every polled worker for its load, concurrently.
-pub async fn poll_once(registry: &Registry, client: &reqwest::Client) {
+pub async fn poll_once(registry: &Registry, client: &reqwest::Client, timeout: Duration) {
     let urls = registry.pollable();
-    let results = join_all(urls.iter().map(|u| fetch_load(client, u))).await;
+    let results = join_all(urls.iter().map(|u| fetch_load(client, u, timeout))).await;
     for (url, load) in urls.iter().zip(results) {
         match load {
             Poll::Load(load) => {
@@ -123,8 +119,13 @@ enum Poll {
     NoDescriptors,
 }
 
-async fn fetch_load(client: &reqwest::Client, base: &str) -> Poll {
-    let resp = match client.get(format!("{base}/load")).send().await {
+async fn fetch_load(client: &reqwest::Client, base: &str, timeout: Duration) -> Poll {
+    let resp = match client
+        .get(format!("{base}/load"))
+        .timeout(timeout)
+        .send()
+        .await
+    {
         Ok(r) => r,
         Err(e) if pdserve_runtime::net::is_fd_exhaustion(&e) => return Poll::NoDescriptors,
         Err(_) => return Poll::Failed,

@@ -90,7 +90,7 @@ pub fn spawn(
     discovery::spawn(
         state.registry.clone(),
         discovery_config(args),
-        &state.internal,
+        state.dispatcher.client().clone(),
         stop.clone(),
     );
     let app = build_app(state.clone());

@@ -36,7 +36,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     discovery::spawn(
         state.registry.clone(),
         discovery_config(&args),
-        &state.internal,
+        state.dispatcher.client().clone(),
         shutdown.clone(),
     );
     let drain = Duration::from_secs(args.drain_seconds);

@@ -115,13 +115,12 @@ async fn two_routers_agree_and_losing_one_loses_only_its_own_streams() {
     // first left on a decode worker draws the others to it on both routers.
     let prompt = "You are a careful assistant. ".repeat(8);
     let before = finished(&decode).await;
-    let (s, v) = post_json(&a.url, "/v1/chat/completions", &chat(&prompt, 4, false)).await;
-    assert_eq!(s, 200, "{v}");
-    // Both routers hear the worker's new prefix digest (heartbeats: 50 ms).
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    for r in [&b.url, &a.url] {
+    // Between requests, both routers hear the workers' reports (heartbeats
+    // every 50 ms): the new prefix digest, and that the worker is idle again.
+    for r in [&a.url, &b.url, &a.url] {
         let (s, v) = post_json(r, "/v1/chat/completions", &chat(&prompt, 4, false)).await;
         assert_eq!(s, 200, "{v}");
+        tokio::time::sleep(Duration::from_millis(400)).await;
     }
     let after = finished(&decode).await;
     let served: Vec<f64> = after.iter().zip(&before).map(|(x, y)| x - y).collect();

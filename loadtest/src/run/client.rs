@@ -183,6 +183,9 @@ async fn send_fresh(req: reqwest::RequestBuilder) -> reqwest::Result<reqwest::Re
 }
 
 fn take_usage(v: &Value, rec: &mut Record) {
+    if rec.id.is_none() {
+        rec.id = v.get("id").and_then(Value::as_str).map(str::to_string);
+    }
     if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
         rec.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as u32;
         rec.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as u32;

@@ -29,6 +29,10 @@ pub struct Record {
     pub error: Option<String>,
     /// Started during the warm-up: excluded from the statistics.
     pub warmup: bool,
+    /// The response's `id`, where it had one: it pairs the request with
+    /// the server's own logs (`loadtest/scripts/router_overhead.sh`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
 }
 
 impl Record {

@@ -378,6 +378,7 @@ impl<'a> Driver<'a> {
             completion_tokens: if ok { f.completion_tokens } else { 0 },
             error,
             warmup: f.start < self.warmup,
+            id: None,
         });
         ok
     }

@@ -1,7 +1,6 @@
 //! Graceful shutdown: SIGTERM or Ctrl-C cancels one root token, and the
 //! worker drains its in-flight work under one deadline before it exits.
 
-use std::future::IntoFuture;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
@@ -60,25 +59,71 @@ pub struct Drain {
     pub deadline: Duration,
 }
 
+/// Streams one HTTP/2 connection may carry at once. A router multiplexes
+/// all its streams on a worker over one connection; hyper's default of 200
+/// would queue the rest behind them.
+pub const MAX_H2_STREAMS: u32 = 1 << 16;
+
 /// Serves `app` until `token` is cancelled, then drains: stops accepting
 /// work, keeps serving until nothing is in flight (so peers can still
 /// deliver KV and streams can finish), then closes. Whatever is still open
 /// when the deadline passes is cut off.
+///
+/// Each connection speaks HTTP/1.1 or, with prior knowledge, cleartext
+/// HTTP/2 (what the router uses to multiplex its streams to a worker).
 pub async fn serve(
     listener: TcpListener,
     app: axum::Router,
     token: CancellationToken,
     drain: Drain,
 ) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::server::conn::auto;
+    use hyper_util::server::graceful::GracefulShutdown;
+    use hyper_util::service::TowerToHyperService;
+
     let deadline = drain.deadline;
-    let listener = no_delay(listener);
-    let graceful = axum::serve(listener, app).with_graceful_shutdown(drained(token.clone(), drain));
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder.http2().max_concurrent_streams(MAX_H2_STREAMS);
+    let graceful = GracefulShutdown::new();
+    let run = async {
+        let stop = drained(token.clone(), drain);
+        tokio::pin!(stop);
+        loop {
+            let tcp = tokio::select! {
+                _ = &mut stop => break,
+                accepted = listener.accept() => match accepted {
+                    Ok((tcp, _)) => tcp,
+                    Err(e) => {
+                        // Out of descriptors, or a connection reset before
+                        // it was accepted: the listener itself is fine.
+                        tracing::debug!("accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!("cannot set TCP_NODELAY: {e}");
+            }
+            let svc = TowerToHyperService::new(app.clone());
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(tcp), svc);
+            let conn = graceful.watch(conn.into_owned());
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!("connection ended: {e}");
+                }
+            });
+        }
+        drop(listener);
+        graceful.shutdown().await;
+    };
     let cut = async {
         token.cancelled().await;
         tokio::time::sleep(deadline).await;
     };
     tokio::select! {
-        r = graceful.into_future() => r,
+        _ = run => Ok(()),
         _ = cut => {
             tracing::warn!("drain deadline passed: closing the connections still open");
             Ok(())

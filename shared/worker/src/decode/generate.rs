@@ -2,7 +2,7 @@
 //! local prefill or wait (under a lease) for a prefill worker's KV stream.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
@@ -19,6 +19,7 @@ pub(super) async fn generate<B: DecodeBackend>(
     State(server): State<Arc<DecodeServer<B>>>,
     body: Result<Json<GenerateRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
+    let started = Instant::now();
     let req = json_body(body)?;
     server.readiness.admit()?;
     crate::validate::generate(server.backend.config(), &req)?;
@@ -28,6 +29,7 @@ pub(super) async fn generate<B: DecodeBackend>(
         .backend
         .reserve(&req.prompt_tokens, req.sampling.max_tokens)?;
     let (tx, rx) = mpsc::unbounded_channel();
+    let request_id = req.request_id.clone();
     let waiting = match req.kv_source {
         KvSource::Local => {
             start_local(&server, req, kv, tx)?;
@@ -38,6 +40,8 @@ pub(super) async fn generate<B: DecodeBackend>(
     Ok(stream_events(Events {
         rx: Some(rx),
         waiting,
+        request_id,
+        started,
     }))
 }
 
@@ -105,15 +109,23 @@ fn wait_for_kv<B: DecodeBackend>(
     Ok((server.clone(), id))
 }
 
-/// The receiving end of a generate stream. Dropping it (the client went
-/// away) releases at once a reservation still waiting for its KV.
+/// The receiving end of a generate stream. Dropping it (the stream ended,
+/// or the client went away) releases at once a reservation still waiting
+/// for its KV.
 struct Events<B: DecodeBackend> {
     rx: Option<mpsc::UnboundedReceiver<GenerateEvent>>,
     waiting: Option<(Arc<DecodeServer<B>>, String)>,
+    request_id: String,
+    started: Instant,
 }
 
 impl<B: DecodeBackend> Drop for Events<B> {
     fn drop(&mut self) {
+        // The worker's own span of the request, from its arrival to the
+        // end of its stream: what `loadtest/scripts/router_overhead.sh`
+        // subtracts from the client's end-to-end time.
+        let elapsed_us = self.started.elapsed().as_micros() as u64;
+        tracing::debug!(request_id = %self.request_id, elapsed_us, "generate stream closed");
         drop(self.rx.take());
         if let Some((server, id)) = &self.waiting {
             server.release_abandoned(id);
