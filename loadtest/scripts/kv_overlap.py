@@ -21,6 +21,12 @@ PREFILL = sys.argv[2] if len(sys.argv) > 2 else "http://127.0.0.1:8111"
 PROMPT = [100 + (i * 7919) % 40000 for i in range(512)]
 
 
+def last_line(resp):
+    """The prefill job's answer: NDJSON (a `queued` line, then the result)."""
+    lines = [json.loads(l) for l in resp.read().decode().splitlines() if l.strip()]
+    return lines[-1]
+
+
 def post(url, body):
     headers = {"content-type": "application/json"}
     token = os.environ.get("PDSERVE_INTERNAL_TOKEN")
@@ -38,7 +44,7 @@ def one(n):
         "kv_source": {"kind": "remote", "lease_ms": 60000}})
     kv_url = json.loads(stream.readline())["kv_url"]
     start = time.time()
-    res = json.load(post(f"{PREFILL}/v1/internal/prefill", {
+    res = last_line(post(f"{PREFILL}/v1/internal/prefill", {
         "request_id": rid, "prompt_tokens": PROMPT[:n], "sampling": sampling,
         "kv_destination": kv_url, "deadline_ms": 60000}))
     wall = time.time() - start
