@@ -10,6 +10,11 @@
 # The extra flags go to both `run` and `simulate` (workload, SLOs,
 # duration); mock latency flags come from the PDSERVE_MOCK_* variables,
 # which both the mocks and the simulator read.
+#
+# REAL=1 runs the real workers instead (one model thread each, pinned one
+# per core as the local supervisor does) and fits the simulator's latency
+# model from `pdserve-loadtest engine` on one thread, measured first
+# (or from PDSERVE_MOCK_FIT_FROM, if set).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BIN="${PDSERVE_BIN:-$ROOT/target/release}"
@@ -24,15 +29,31 @@ trap cleanup EXIT
 mock=(--model "$MODEL" --log warn)
 prefill=(); decode=()
 join() { local IFS=,; echo "$*"; }
+cores=$(nproc); slot=0
+# worker POOL PORT [flags]: a mock, or with REAL=1 the real binary pinned to a core.
+worker() {
+    local pool=$1 port=$2; shift 2
+    if [ "${REAL:-0}" = 1 ]; then
+        taskset -c $((slot % cores)) "$BIN/pdserve-$pool" --port "$port" --threads 1 "${mock[@]}" "$@" &
+        slot=$((slot + 1))
+    else
+        "$BIN/pdserve-mock-worker" --pool "$pool" --port "$port" "${mock[@]}" "$@" &
+    fi
+    pids+=($!)
+}
+if [ "${REAL:-0}" = 1 ] && [ -z "${PDSERVE_MOCK_FIT_FROM:-}" ]; then
+    "$BIN/pdserve-loadtest" engine --model "$MODEL" --threads 1 --weights native \
+        --json "$OUT/engine.json" >/dev/null
+    export PDSERVE_MOCK_FIT_FROM="$OUT/engine.json" PDSERVE_MOCK_FIT_WEIGHTS=native
+fi
 for i in $(seq 1 "$D"); do
     port=$((18600 + i))
-    "$BIN/pdserve-mock-worker" --pool decode --port $port "${mock[@]}" & pids+=($!)
+    worker decode $port
     decode+=("http://127.0.0.1:$port")
 done
 for i in $(seq 1 "$P"); do
     port=$((18700 + i))
-    "$BIN/pdserve-mock-worker" --pool prefill --port $port --decode-url "$(join "${decode[@]}")" \
-        "${mock[@]}" & pids+=($!)
+    worker prefill $port --decode-url "$(join "${decode[@]}")"
     prefill+=("http://127.0.0.1:$port")
 done
 "$BIN/pdserve-router" --model "$MODEL" --port $R \
@@ -43,6 +64,12 @@ for _ in $(seq 1 120); do
     sleep 0.25
 done
 sleep 2 # every worker's first /load poll
+if [ "${REAL:-0}" = 1 ]; then # warm the workers up before measuring
+    for _ in 1 2 3; do
+        curl -sf "http://127.0.0.1:$R/v1/completions" -H 'content-type: application/json' \
+            -d '{"model":"'"$(basename "$MODEL" .gguf)"'","prompt":"Hello there, how are you today?","max_tokens":8}' >/dev/null
+    done
+fi
 IFS=, read -ra rates <<<"$RATES"
 for rate in "${rates[@]}"; do
     "$BIN/pdserve-loadtest" run --url "http://127.0.0.1:$R" --rate "$rate" --no-progress \
@@ -56,7 +83,8 @@ out, p, d, rates = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 def summary(kind, rate):
     with open(f"{out}/{kind}-{rate}.json") as f:
         return json.load(f)["points"][0]["targets"][0]["summary"]
-print(f"| {p} + {d} mocks, rate | measure | measured | simulated | sim / measured |")
+kind = "real workers" if __import__("os").environ.get("REAL") == "1" else "mocks"
+print(f"| {p} + {d} {kind}, rate | measure | measured | simulated | sim / measured |")
 print("| --- | --- | --- | --- | --- |")
 for rate in rates:
     m, s = summary("run", rate), summary("sim", rate)
