@@ -71,11 +71,16 @@ if [ "${REAL:-0}" = 1 ]; then # warm the workers up before measuring
     done
 fi
 IFS=, read -ra rates <<<"$RATES"
+# A fresh workload seed for each rate (unless one is given): the workers'
+# prefix caches still hold the last rate's prompts, the simulator's do not.
+seeded=0; for a in "$@"; do [ "$a" = --seed ] && seeded=1; done
+n=0
 for rate in "${rates[@]}"; do
+    seed=(); n=$((n + 1)); [ "$seeded" = 1 ] || seed=(--seed $((7000 + n)))
     "$BIN/pdserve-loadtest" run --url "http://127.0.0.1:$R" --rate "$rate" --no-progress \
-        --json "$OUT/run-$rate.json" "$@" >/dev/null
+        --json "$OUT/run-$rate.json" "${seed[@]}" "$@" >/dev/null
     "$BIN/pdserve-loadtest" simulate --prefill-workers "$P" --decode-workers "$D" \
-        --rate "$rate" --no-progress --json "$OUT/sim-$rate.json" "$@" >/dev/null
+        --rate "$rate" --no-progress --json "$OUT/sim-$rate.json" "${seed[@]}" "$@" >/dev/null
 done
 python3 - "$OUT" "$P" "$D" "${rates[@]}" <<'EOF'
 import json, sys
