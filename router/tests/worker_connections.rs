@@ -57,7 +57,7 @@ async fn streams_over(protocol: &str, exe: &str, model: &TinyModel) -> usize {
         "--prefill-ms-per-token",
         "0",
         "--step-fixed-ms",
-        "5",
+        "20",
         "--step-ms-per-seq",
         "0",
         "--max-batch",
@@ -99,7 +99,7 @@ async fn streams_over(protocol: &str, exe: &str, model: &TinyModel) -> usize {
         let body = json!({
             "model": MODEL,
             "messages": [{"role": "user", "content": format!("Stream {i}.")}],
-            "max_tokens": 40,
+            "max_tokens": 150,
             "ignore_eos": true,
             "stream": true,
         });
@@ -118,10 +118,11 @@ async fn streams_over(protocol: &str, exe: &str, model: &TinyModel) -> usize {
             sse_events(resp).await
         }));
     }
-    // The mock admits one sequence per 5 ms round: for a second or so,
-    // every stream is open on the worker, queued or running.
+    // The mock admits one sequence per 20 ms round and each then runs for
+    // 150 steps (3 s): the first to finish does so long after the last has
+    // arrived, so for a while every stream is open on the worker.
     let mut open = 0;
-    for _ in 0..50 {
+    for _ in 0..150 {
         let l = pdserve_testkit::http::load(&decode.url).await;
         open = open.max(l.queued_requests + l.active_sequences);
         if open as usize == STREAMS {
