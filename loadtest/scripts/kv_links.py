@@ -9,13 +9,12 @@ prefill job and reads the job's own report: compute time, wall time and
 bytes sent. The tail is what the transfer added after compute ended (wall
 minus compute). Prints one Markdown row per length: medians over REPEATS.
 """
-import json
-import os
 import random
 import statistics
 import sys
 import time
-import urllib.request
+
+import kv_job
 
 DECODE, PREFILL, LABEL = sys.argv[1], sys.argv[2], sys.argv[3]
 REPEATS = int(sys.argv[4])
@@ -23,35 +22,10 @@ LENGTHS = [int(n) for n in sys.argv[5:]]
 rng = random.Random(int(time.time()))
 
 
-def last_line(resp):
-    """The prefill job's answer: NDJSON (a `queued` line, then the result)."""
-    lines = [json.loads(l) for l in resp.read().decode().splitlines() if l.strip()]
-    return lines[-1]
-
-
-def post(url, body):
-    headers = {"content-type": "application/json"}
-    token = os.environ.get("PDSERVE_INTERNAL_TOKEN")
-    if token:
-        headers["authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
-    return urllib.request.urlopen(req, timeout=120)
-
-
 def job(n):
     rid = f"links-{n}-{time.time_ns()}"
     prompt = [rng.randrange(100, 40000) for _ in range(n)]
-    sampling = {"temperature": 0, "max_tokens": 2}
-    stream = post(f"{DECODE}/v1/internal/generate", {
-        "request_id": rid, "prompt_tokens": prompt, "sampling": sampling,
-        "kv_source": {"kind": "remote", "lease_ms": 120000}})
-    kv_url = json.loads(stream.readline())["kv_url"]
-    start = time.time()
-    res = last_line(post(f"{PREFILL}/v1/internal/prefill", {
-        "request_id": rid, "prompt_tokens": prompt, "sampling": sampling,
-        "kv_destination": kv_url, "deadline_ms": 120000}))
-    wall = time.time() - start
-    stream.read()
+    res, wall = kv_job.run(DECODE, PREFILL, rid, prompt, 2, 120)
     return res["compute_seconds"], wall, res["transfer_bytes"]
 
 

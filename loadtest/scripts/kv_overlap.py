@@ -10,45 +10,20 @@ worker, sends the prefill job, and prints compute time, wall time and bytes;
 at the end it prints the prefill worker's transfer-tail histogram (transfer
 time left after compute ended) and the MFU/MBU gauges.
 """
-import json
-import os
 import sys
 import time
 import urllib.request
+
+import kv_job
 
 DECODE = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8211"
 PREFILL = sys.argv[2] if len(sys.argv) > 2 else "http://127.0.0.1:8111"
 PROMPT = [100 + (i * 7919) % 40000 for i in range(512)]
 
 
-def last_line(resp):
-    """The prefill job's answer: NDJSON (a `queued` line, then the result)."""
-    lines = [json.loads(l) for l in resp.read().decode().splitlines() if l.strip()]
-    return lines[-1]
-
-
-def post(url, body):
-    headers = {"content-type": "application/json"}
-    token = os.environ.get("PDSERVE_INTERNAL_TOKEN")
-    if token:
-        headers["authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
-    return urllib.request.urlopen(req, timeout=60)
-
-
 def one(n):
     rid = f"overlap-{n}-{time.time_ns()}"
-    sampling = {"temperature": 0, "max_tokens": 4}
-    stream = post(f"{DECODE}/v1/internal/generate", {
-        "request_id": rid, "prompt_tokens": PROMPT[:n], "sampling": sampling,
-        "kv_source": {"kind": "remote", "lease_ms": 60000}})
-    kv_url = json.loads(stream.readline())["kv_url"]
-    start = time.time()
-    res = last_line(post(f"{PREFILL}/v1/internal/prefill", {
-        "request_id": rid, "prompt_tokens": PROMPT[:n], "sampling": sampling,
-        "kv_destination": kv_url, "deadline_ms": 60000}))
-    wall = time.time() - start
-    stream.read()
+    res, wall = kv_job.run(DECODE, PREFILL, rid, PROMPT[:n], 4, 60)
     print(f"{n:4d} tokens: compute {res['compute_seconds']:.3f} s, wall {wall:.3f} s, KV {res['transfer_bytes']} bytes")
 
 
