@@ -1,39 +1,56 @@
 //! Graceful shutdown: SIGTERM or Ctrl-C cancels one root token, and the
 //! worker drains its in-flight work under one deadline before it exits.
 
+use std::future::Future;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 /// Cancels `token` on SIGTERM or Ctrl-C (SIGINT).
+///
+/// The SIGTERM handler is installed before this returns, so a TERM sent as
+/// soon as the process says it is listening already drains it rather than
+/// killing it. Call it from inside the runtime, before binding.
 pub fn cancel_on_signal(token: CancellationToken) {
+    let signalled = signal_listener();
     tokio::spawn(async move {
-        wait_for_signal().await;
+        signalled.await;
         tracing::info!("shutdown signal received: draining");
         token.cancel();
     });
 }
 
-async fn wait_for_signal() {
+/// Installs the handlers now and returns a future that ends on the first
+/// SIGTERM or SIGINT.
+fn signal_listener() -> impl Future<Output = ()> + Send {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
+        let install = |kind: SignalKind, name: &str| {
+            signal(kind)
+                .map_err(|e| tracing::warn!("cannot listen for {name}: {e}"))
+                .ok()
+        };
+        let term = install(SignalKind::terminate(), "SIGTERM");
+        let int = install(SignalKind::interrupt(), "SIGINT");
+        async move {
+            let next = |s: Option<tokio::signal::unix::Signal>| async move {
+                match s {
+                    Some(mut s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
                 }
-            }
-            Err(e) => {
-                tracing::warn!("cannot listen for SIGTERM ({e}); Ctrl-C only");
-                let _ = tokio::signal::ctrl_c().await;
+            };
+            tokio::select! {
+                _ = next(term) => {}
+                _ = next(int) => {}
             }
         }
     }
     #[cfg(not(unix))]
-    {
+    async {
         let _ = tokio::signal::ctrl_c().await;
     }
 }

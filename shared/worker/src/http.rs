@@ -65,11 +65,10 @@ pub fn metrics_page(registry: &prometheus::Registry) -> Response {
         .into_response()
 }
 
-/// Binds the worker's listener (port 0 picks a free one) and logs its address.
+/// Binds the worker's listener (port 0 picks a free one). The serve loop
+/// logs its address once the signal handlers are in place.
 pub async fn listen(host: &str, port: u16) -> std::io::Result<tokio::net::TcpListener> {
-    let listener = tokio::net::TcpListener::bind((host, port))
+    tokio::net::TcpListener::bind((host, port))
         .await
-        .map_err(|e| std::io::Error::new(e.kind(), format!("binding {host}:{port}: {e}")))?;
-    tracing::info!(addr = %listener.local_addr()?, "listening");
-    Ok(listener)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("binding {host}:{port}: {e}")))
 }

@@ -146,6 +146,8 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let token = CancellationToken::new();
     shutdown::cancel_on_signal(token.clone());
+    // Only now: whoever waits for this line may signal at once.
+    tracing::info!(addr = %listener.local_addr()?, "listening");
     let internal = args.auth.token();
     internal.warn_if_unset("worker");
     let load = service.load.clone();
