@@ -8,7 +8,7 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     // Before any thread exists: the thread pools read these at first use.
     pdserve_engine::threads::set_env(args.model.threads);
-    pdserve_runtime::telemetry::init(&args.server.telemetry);
+    pdserve_runtime::telemetry::init(&args.server.telemetry, "pdserve-decode");
     pdserve_runtime::run(serve(args))
 }
 

@@ -23,6 +23,7 @@ use pdserve_runtime::auth::{InternalToken, Secret};
 use pdserve_runtime::metrics::labels;
 use pdserve_runtime::net::{host_of, worker_base, HostAllow};
 use serde::de::DeserializeOwned;
+use tracing::Instrument;
 
 use crate::dispatch::Dispatcher;
 use crate::error::ApiError;
@@ -143,6 +144,12 @@ async fn generate<R: DeserializeOwned>(
         Format::Completion => (labels::ENDPOINT_COMPLETIONS, "cmpl"),
     };
     let mut request = s.admission.begin(endpoint, prefix);
+    let operation = match format {
+        Format::Chat => "chat",
+        Format::Completion => "text_completion",
+    };
+    let model = &s.frontend.model_name;
+    request.span = crate::trace::request_span(operation, model, &request.id, headers);
     let prepared = match request.admitted() {
         Ok(()) => {
             let st = s.clone();
@@ -162,13 +169,17 @@ async fn generate<R: DeserializeOwned>(
         .get(pdserve_protocol::internal::REQUEST_ID_HEADER)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    tracing::info!(request_id = %request.id, client_request_id = %client_id, choices = prepared.prompts.len() as u32 * prepared.params.n, stream = prepared.params.stream, "request");
+    crate::trace::record_params(&request.span, &prepared.params);
+    let span = request.span.clone();
+    span.in_scope(|| tracing::info!(request_id = %request.id, client_request_id = %client_id, choices = prepared.prompts.len() as u32 * prepared.params.n, stream = prepared.params.stream, "request"));
     let ctx = Ctx {
         header: header(s, &request, format, &prepared),
         tokenizer: s.frontend.tokenizer.clone(),
         request,
     };
-    respond::respond(&s.dispatcher, ctx, prepared).await
+    respond::respond(&s.dispatcher, ctx, prepared)
+        .instrument(span)
+        .await
 }
 
 /// Runs CPU-heavy request work (parsing, templating, tokenizing up to the

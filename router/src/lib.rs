@@ -20,6 +20,7 @@ pub mod request;
 pub mod respond;
 pub mod structured;
 pub mod supervisor;
+pub mod trace;
 
 use std::sync::Arc;
 

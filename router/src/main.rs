@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 fn main() -> anyhow::Result<()> {
     let mut args = Args::parse();
-    pdserve_runtime::telemetry::init(&args.telemetry);
+    pdserve_runtime::telemetry::init(&args.telemetry, "pdserve-router");
     let local = args.local.local_prefill + args.local.local_decode > 0;
     if local && !args.internal.token().is_set() {
         // The workers this router starts get a token nobody else knows.
@@ -65,7 +65,8 @@ fn local_workers(args: &Args, port: u16, drain: Duration) -> Option<Arc<Supervis
     }
     let router_url = format!("http://127.0.0.1:{port}");
     let token = args.internal.token().secret().cloned();
-    let cfg = SupervisorConfig::new(&args.local, &args.model, router_url, drain, token);
+    let mut cfg = SupervisorConfig::new(&args.local, &args.model, router_url, drain, token);
+    cfg.otlp_endpoint = args.telemetry.otlp_endpoint.clone();
     tracing::info!(?cfg, "starting local workers");
     let sup = Supervisor::new(cfg);
     (0..args.local.local_prefill).for_each(|_| sup.spawn(Pool::Prefill));

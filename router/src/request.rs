@@ -63,6 +63,7 @@ impl Admission {
             endpoint,
             started: Instant::now(),
             refusal,
+            span: tracing::Span::none(),
             counted: false,
             in_flight: self.in_flight.clone(),
             metrics: self.metrics.clone(),
@@ -76,6 +77,9 @@ pub struct Request {
     pub id: String,
     pub endpoint: &'static str,
     pub started: Instant,
+    /// The request's trace span (`crate::trace::request_span`); it ends
+    /// when the request does.
+    pub span: tracing::Span,
     refusal: Option<ApiError>,
     counted: bool,
     in_flight: Arc<AtomicUsize>,
@@ -110,6 +114,7 @@ impl Request {
     /// Counts the request as failed with `e`'s code.
     pub fn fail(&mut self, e: &ApiError) {
         self.count(e.kind());
+        crate::trace::record_error(&self.span, e.kind(), &e.to_string());
     }
 
     /// Counts the request as failed with `e`, answered with `e`'s status.
@@ -120,6 +125,7 @@ impl Request {
 
     /// The first token (of any choice) reached the client.
     pub fn observe_ttft(&self) {
+        pdserve_runtime::otel::event(&self.span, "first_token");
         self.metrics
             .ttft
             .with_label_values(&[self.endpoint])
@@ -131,6 +137,9 @@ impl Request {
         let m = &self.metrics;
         m.prompt_tokens.inc_by(usage.prompt_tokens as u64);
         m.generation_tokens.inc_by(usage.completion_tokens as u64);
+        let span = &self.span;
+        span.record("gen_ai.usage.input_tokens", usage.prompt_tokens);
+        span.record("gen_ai.usage.output_tokens", usage.completion_tokens);
     }
 
     pub fn metrics(&self) -> &Arc<RouterMetrics> {

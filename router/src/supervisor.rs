@@ -66,6 +66,9 @@ pub struct SupervisorConfig {
     pub engine: LocalEngine,
     /// The internal token every worker is given.
     pub token: Option<pdserve_runtime::auth::Secret>,
+    /// Where the workers export their trace spans (the router's own
+    /// `--otlp-endpoint`).
+    pub otlp_endpoint: Option<String>,
 }
 
 impl SupervisorConfig {
@@ -98,6 +101,7 @@ impl SupervisorConfig {
             kv_cache_tokens: args.worker_kv_cache_tokens,
             drain,
             engine: args.local_engine,
+            otlp_endpoint: None,
             token,
         }
     }
@@ -222,11 +226,15 @@ impl Supervisor {
             .env_remove("PDSERVE_PORT")
             .env_remove("PDSERVE_INTERNAL_TOKEN")
             .env_remove("PDSERVE_INTERNAL_TOKEN_FILE")
+            .env_remove("PDSERVE_OTLP_SERVICE_NAME")
             .stdin(Stdio::null())
             .kill_on_drop(true);
         if let Some(token) = &c.token {
             // In the environment, not on the command line `ps` shows.
             cmd.env("PDSERVE_INTERNAL_TOKEN", token.expose());
+        }
+        if let Some(endpoint) = &c.otlp_endpoint {
+            cmd.args(["--otlp-endpoint", endpoint]);
         }
         if pool == Pool::Decode {
             cmd.args(["--kv-cache-tokens", &c.kv_cache_tokens.to_string()]);

@@ -141,7 +141,7 @@ async fn streams_over(protocol: &str, exe: &str, model: &TinyModel) -> usize {
     for s in streams {
         let (events, done) = s.await.unwrap();
         assert!(done, "{protocol}: a stream did not end with [DONE]");
-        assert_eq!(streamed_text(&events, 0).is_empty(), false);
+        assert!(!streamed_text(&events, 0).is_empty());
     }
     held
 }

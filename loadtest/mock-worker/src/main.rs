@@ -1,9 +1,13 @@
 use clap::Parser;
-use pdserve_mock_worker::{build, Args};
+use pdserve_mock_worker::{build, Args, PoolKind};
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    pdserve_runtime::telemetry::init(&args.server.telemetry);
+    let service = match args.pool {
+        PoolKind::Prefill => "pdserve-mock-prefill",
+        PoolKind::Decode => "pdserve-mock-decode",
+    };
+    pdserve_runtime::telemetry::init(&args.server.telemetry, service);
     pdserve_runtime::run(serve(args))
 }
 

@@ -18,12 +18,14 @@ use pdserve_protocol::internal::{
 use pdserve_runtime::metrics::labels;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
+mod client;
 pub mod placement;
 mod pump;
 mod relay;
 
-use crate::config::{DispatchConfig, WorkerProtocol};
+use crate::config::DispatchConfig;
 use crate::error::ApiError;
 use crate::metrics::{pool_label, RouterMetrics};
 use crate::ndjson::LineReader;
@@ -136,13 +138,9 @@ struct Decode {
     /// The prompt's tokens bound for the prefill pool, counted until a
     /// prefill worker's assignment counts them.
     hold: Option<PrefillHold>,
+    /// The call's trace span, open while the stream is.
+    _span: tracing::Span,
 }
-
-/// The router's receive window on one worker connection: room for the
-/// small DATA frames of about 100,000 streams' tokens waiting to be read.
-const H2_CONNECTION_WINDOW: u32 = 64 << 20;
-/// A stream's own window: far above one stream's burst of lines.
-const H2_STREAM_WINDOW: u32 = 2 << 20;
 
 impl Dispatcher {
     pub fn new(
@@ -152,28 +150,7 @@ impl Dispatcher {
         metrics: Arc<RouterMetrics>,
         token: &pdserve_runtime::auth::InternalToken,
     ) -> Self {
-        let client = reqwest::Client::builder()
-            .pool_idle_timeout(pdserve_runtime::net::POOL_IDLE_TIMEOUT)
-            .default_headers(token.client_headers())
-            .connect_timeout(cfg.connect_timeout)
-            .tcp_nodelay(true);
-        let client = match cfg.worker_protocol {
-            WorkerProtocol::Http1 => client.http1_only(),
-            // Pings keep an idle multiplexed connection's failure from
-            // surfacing only on the next request. The connection window is
-            // large and fixed: h2 lets unread small DATA frames (one token
-            // each) use up to half of it before it closes the connection as
-            // a flood, and a decode step sends one to every stream at once;
-            // an adaptive window starts at 64 KiB and broke at about 150.
-            WorkerProtocol::Http2 => client
-                .http2_prior_knowledge()
-                .http2_keep_alive_interval(Duration::from_secs(10))
-                .http2_keep_alive_timeout(Duration::from_secs(20))
-                .http2_keep_alive_while_idle(true)
-                .http2_initial_connection_window_size(H2_CONNECTION_WINDOW)
-                .http2_initial_stream_window_size(H2_STREAM_WINDOW),
-        };
-        let client = client.build().unwrap_or_default();
+        let client = client::worker_client(&cfg, token);
         Self {
             registry,
             client,
@@ -207,7 +184,7 @@ impl Dispatcher {
         let (cached_tokens, decode_url) = (pump.cached_tokens(), pump.url().to_string());
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         let relay = Relay::new(self.clone(), req, deadline, tx);
-        let task = tokio::spawn(relay.run(pump));
+        let task = tokio::spawn(relay.run(pump).in_current_span());
         Ok(Sequence {
             rx,
             peeked: None,
@@ -342,12 +319,23 @@ impl Dispatcher {
         assigned: Assignment,
     ) -> Result<Decode, ApiError> {
         let url = format!("{}/v1/internal/generate", w.url);
-        let resp = self
-            .post(Pool::Decode, (&w.url, &url), body, self.cfg.connect_timeout)
-            .await?;
-        let mut reader = LineReader::new(resp);
-        let first =
-            tokio::time::timeout(self.cfg.connect_timeout, reader.next::<GenerateEvent>()).await;
+        let span = crate::trace::worker_call("decode", &w.url);
+        let reserved = async {
+            let resp = self
+                .post(Pool::Decode, (&w.url, &url), body, self.cfg.connect_timeout)
+                .await?;
+            let mut reader = LineReader::new(resp);
+            let first = reader.next::<GenerateEvent>();
+            let first = tokio::time::timeout(self.cfg.connect_timeout, first).await;
+            Ok::<_, ApiError>((reader, first))
+        };
+        let (reader, first) = match reserved.instrument(span.clone()).await {
+            Ok(r) => r,
+            Err(e) => {
+                crate::trace::record_error(&span, e.kind(), &e.to_string());
+                return Err(e);
+            }
+        };
         let first = first
             .map_err(|_| self.upstream(Pool::Decode, format!("{} sent no reservation", w.url)))?;
         match first {
@@ -366,6 +354,7 @@ impl Dispatcher {
                     local: matches!(body.kv_source, KvSource::Local),
                     _assigned: assigned,
                     hold: None,
+                    _span: span,
                 })
             }
             Ok(Some(GenerateEvent::Error(e))) => Err(self.worker_error(Pool::Decode, e)),
@@ -390,7 +379,7 @@ impl Dispatcher {
         body: &T,
         within: Duration,
     ) -> Result<reqwest::Response, ApiError> {
-        let send = self.client.post(url).json(body).send();
+        let send = pdserve_runtime::otel::inject(self.client.post(url).json(body)).send();
         let resp = match tokio::time::timeout(within, send).await {
             Ok(Ok(r)) => r,
             // Out of file descriptors here is not the worker's fault: a
@@ -490,9 +479,9 @@ impl Dispatcher {
             deadline_ms: self.cfg.prefill_timeout.as_millis() as u64,
             cached_tokens,
         };
-        AbortOnDropResult(tokio::spawn(async move {
-            self.prefill(job, fingerprint, hold).await
-        }))
+        AbortOnDropResult(tokio::spawn(
+            async move { self.prefill(job, fingerprint, hold).await }.in_current_span(),
+        ))
     }
 
     /// Runs the job on a prefill worker, retrying retryable failures on others.
@@ -523,8 +512,16 @@ impl Dispatcher {
             // The worker's assignment counts the tokens from here on.
             hold.take();
             let started = Instant::now();
+            let span = crate::trace::worker_call("prefill", &w.url);
+            span.record("pdserve.attempt", attempt);
             let call = self.prefill_once(&w.url, &job, &assigned);
-            let result = tokio::time::timeout(self.cfg.prefill_timeout, call).await;
+            let call = tokio::time::timeout(self.cfg.prefill_timeout, call);
+            let result = call.instrument(span.clone()).await;
+            match &result {
+                Ok(Err(e)) => crate::trace::record_error(&span, e.kind(), &e.to_string()),
+                Err(_) => crate::trace::record_error(&span, "timeout", "timed out"),
+                Ok(Ok(_)) => {}
+            }
             match result {
                 Ok(Ok(r)) => {
                     self.observe_prefill(&r, started.elapsed());

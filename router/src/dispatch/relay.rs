@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 use pdserve_protocol::internal::{FinishReason, PromptLogprob, MAX_REQUEST_ID_LEN};
 use tokio::sync::mpsc;
 
+use tracing::Instrument;
+
 use super::pump::{is_migratable, reason, End, Pump};
 use super::{Dispatcher, SeqEvent, SequenceRequest};
 use crate::error::ApiError;
@@ -173,7 +175,11 @@ impl Relay {
             return Err(err);
         }
         self.out.lost_since = Some(self.out.last_token);
-        self.place(reason, left, generated).await.map(Some)
+        let span = crate::trace::migration(reason, left, generated);
+        let placed = self.place(reason, left, generated).instrument(span.clone());
+        let pump = placed.await?;
+        span.record("pdserve.migration.joined", pump.url());
+        Ok(Some(pump))
     }
 
     /// Places the continuation, trying again (with backoff, within

@@ -1,9 +1,10 @@
 //! Process plumbing shared by every pdserve binary: metric names, logging,
-//! graceful shutdown, the internal token and network rules.
+//! tracing, graceful shutdown, the internal token and network rules.
 
 pub mod auth;
 pub mod metrics;
 pub mod net;
+pub mod otel;
 pub mod shutdown;
 pub mod telemetry;
 
@@ -15,12 +16,15 @@ pub fn run<F: std::future::Future>(main: F) -> F::Output {
         Ok(n) => tracing::debug!(open_files = n, "open-files limit"),
         Err(e) => tracing::warn!("cannot raise the open-files limit: {e}"),
     }
-    tokio::runtime::Builder::new_multi_thread()
+    let out = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap_or_else(|e| {
             tracing::error!("cannot start the async runtime: {e}");
             std::process::exit(1)
         })
-        .block_on(main)
+        .block_on(main);
+    // Spans the process finished last (a drained request's) still go out.
+    otel::flush(std::time::Duration::from_secs(3));
+    out
 }

@@ -5,7 +5,7 @@
 //! does on the network is here, written once: routes, `/health`, `/ready`,
 //! `/load`, `/metrics`, registration and heartbeats, the drain, KV ingest
 //! under leases, KV upload, NDJSON streaming, and the mapping of errors to
-//! statuses. Backends never see HTTP.
+//! statuses, and the trace spans of each call. Backends never see HTTP.
 
 pub mod decode;
 pub mod http;
@@ -15,6 +15,7 @@ pub mod queue;
 mod readiness;
 pub mod registration;
 pub mod server;
+pub mod trace;
 pub mod upload;
 mod validate;
 

@@ -78,6 +78,7 @@ pub fn worker_routes<S: Served>(
 ) -> axum::Router {
     use axum::extract::State;
     use axum::routing::get;
+    let internal = internal.layer(axum::middleware::from_fn(crate::trace::middleware));
     let internal = internal.route(
         "/load",
         get(|State(s): State<Arc<S>>| async move { axum::Json(s.load_report()) }),

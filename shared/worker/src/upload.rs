@@ -27,9 +27,11 @@ pub async fn upload(
     let stream = futures_util::stream::once(std::future::ready(first))
         .chain(rest)
         .map(Ok::<_, std::io::Error>);
-    let resp = client
+    let request = client
         .post(url)
-        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header(header::CONTENT_TYPE, "application/octet-stream");
+    // The KV stream's own header joins the decode worker's spans to this job's.
+    let resp = pdserve_runtime::otel::inject(request)
         .body(reqwest::Body::wrap_stream(stream))
         .send()
         .await

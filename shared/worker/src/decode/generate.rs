@@ -28,6 +28,8 @@ pub(super) async fn generate<B: DecodeBackend>(
     let kv = server
         .backend
         .reserve(&req.prompt_tokens, req.sampling.max_tokens)?;
+    let cached = kv.cached() as u32;
+    crate::trace::record_job(&req.request_id, req.prompt_tokens.len(), cached);
     let (tx, rx) = mpsc::unbounded_channel();
     let request_id = req.request_id.clone();
     let waiting = match req.kv_source {
@@ -42,6 +44,7 @@ pub(super) async fn generate<B: DecodeBackend>(
         waiting,
         request_id,
         started,
+        trace: Traced::default(),
     }))
 }
 
@@ -117,6 +120,44 @@ struct Events<B: DecodeBackend> {
     waiting: Option<(Arc<DecodeServer<B>>, String)>,
     request_id: String,
     started: Instant,
+    trace: Traced,
+}
+
+/// What the stream tells the call's span: the first token (an event), the
+/// tokens generated, and an error.
+struct Traced {
+    span: tracing::Span,
+    tokens: u64,
+}
+
+impl Default for Traced {
+    fn default() -> Self {
+        Self {
+            span: tracing::Span::current(),
+            tokens: 0,
+        }
+    }
+}
+
+impl Traced {
+    fn see(&mut self, event: &GenerateEvent) {
+        match event {
+            GenerateEvent::Token { .. } => {
+                if self.tokens == 0 {
+                    pdserve_runtime::otel::event(&self.span, "first_token");
+                }
+                self.tokens += 1;
+            }
+            GenerateEvent::Finished {
+                completion_tokens, ..
+            } => {
+                let span = &self.span;
+                span.record("gen_ai.usage.output_tokens", *completion_tokens);
+            }
+            GenerateEvent::Error(e) => crate::trace::record_error(&self.span, &e.message),
+            _ => {}
+        }
+    }
 }
 
 impl<B: DecodeBackend> Drop for Events<B> {
@@ -136,9 +177,13 @@ impl<B: DecodeBackend> Drop for Events<B> {
 /// Streams events as JSON lines until the engine drops the sender.
 fn stream_events<B: DecodeBackend>(mut events: Events<B>) -> Response {
     ndjson(futures_util::stream::poll_fn(move |cx| {
-        match events.rx.as_mut() {
+        let polled = match events.rx.as_mut() {
             Some(rx) => rx.poll_recv(cx),
             None => std::task::Poll::Ready(None),
+        };
+        if let std::task::Poll::Ready(Some(event)) = &polled {
+            events.trace.see(event);
         }
+        polled
     }))
 }

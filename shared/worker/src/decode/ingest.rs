@@ -43,6 +43,8 @@ pub(super) async fn ingest<B: DecodeBackend>(
             ),
         )));
     };
+    let span = tracing::Span::current();
+    span.record("request_id", request_id.as_str());
     let started = Instant::now();
     let Some((mut pending, received)) = receive(&server, &request_id, pending, body).await else {
         // The importer panicked: the reservation is gone with it.
@@ -55,11 +57,13 @@ pub(super) async fn ingest<B: DecodeBackend>(
                 .metrics
                 .kv_received(bytes, started.elapsed().as_secs_f64());
             let tokens = pending.prompt.len() as u32;
+            span.record("pdserve.kv_bytes", bytes);
             admit(&server, request_id, pending, first)?;
             Ok(Json(IngestResult { tokens, bytes }))
         }
         Err(err) => {
             tracing::warn!(request_id = %request_id, "KV ingest failed: {err}");
+            crate::trace::record_error(&span, &err.message);
             // Keep the reservation for a retry from another prefill worker,
             // until its lease ends (it may have ended during this ingest).
             pending.kv.reset();

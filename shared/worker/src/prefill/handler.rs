@@ -14,6 +14,7 @@ use pdserve_protocol::internal::{ErrorBody, ErrorKind, PrefillEvent, PrefillJob,
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::frames::{self, FrameReceiver};
 use super::{cancelled, Computed, PrefillBackend, PrefillServer, PrefillTask};
@@ -116,6 +117,8 @@ pub(super) async fn prefill<B: PrefillBackend>(
     net.destinations
         .check(&job.kv_destination, &job.request_id)
         .await?;
+    crate::trace::record_job(&job.request_id, job.prompt_tokens.len(), job.cached_tokens);
+    let span = tracing::Span::current();
     let (frames_tx, frames_rx) = frames::channel(net.upload_buffer_bytes);
     let guard = JobGuard::track(&server, &job.request_id, frames_rx.started())?;
     let (reply_tx, reply_rx) = oneshot::channel();
@@ -127,9 +130,10 @@ pub(super) async fn prefill<B: PrefillBackend>(
         job.prompt_tokens.len() as u32,
         job.kv_destination.clone(),
     );
+    let enqueued = Instant::now();
     let task = PrefillTask {
         job,
-        enqueued: Instant::now(),
+        enqueued,
         cancel: guard.cancel.clone(),
         frames: frames_tx,
         reply: reply_tx,
@@ -148,22 +152,40 @@ pub(super) async fn prefill<B: PrefillBackend>(
         drop(guard);
         server.metrics.finished(result.is_ok());
         match result {
-            Ok(c) => PrefillEvent::Done(PrefillResult {
-                request_id: id,
-                prompt_tokens: tokens,
-                first_token: c.first_token,
-                queue_seconds: c.queue_seconds,
-                compute_seconds: c.compute_seconds,
-                transfer_bytes: c.bytes,
-            }),
+            Ok(c) => {
+                emit_stages(&tracing::Span::current(), enqueued, &c);
+                PrefillEvent::Done(PrefillResult {
+                    request_id: id,
+                    prompt_tokens: tokens,
+                    first_token: c.first_token,
+                    queue_seconds: c.queue_seconds,
+                    compute_seconds: c.compute_seconds,
+                    transfer_bytes: c.bytes,
+                })
+            }
             Err(e) => {
                 tracing::warn!(request_id = %id, "prefill failed: {e}");
+                crate::trace::record_error(&tracing::Span::current(), &e.message);
                 PrefillEvent::Error(e)
             }
         }
-    };
+    }
+    .instrument(span);
     let events = stream::once(std::future::ready(queued)).chain(stream::once(outcome));
     Ok(ndjson(events))
+}
+
+/// The job's `queue` and `compute` spans, timed on the engine's thread.
+fn emit_stages(span: &tracing::Span, enqueued: Instant, c: &Computed) {
+    use pdserve_runtime::otel;
+    let secs = std::time::Duration::from_secs_f64;
+    let end = otel::wall_clock(c.finished_at.into_std());
+    let compute_start = end - secs(c.compute_seconds.max(0.0));
+    let queued = otel::wall_clock(enqueued.into_std());
+    let queue_end = queued + secs(c.queue_seconds.max(0.0));
+    otel::emit(span, "queue", (queued, queue_end), Vec::new());
+    let bytes = vec![("pdserve.kv_bytes", c.bytes.into())];
+    otel::emit(span, "compute", (compute_start, end), bytes);
 }
 
 /// `work`, unless the deadline passes or the job is cancelled first. A
@@ -192,10 +214,16 @@ async fn deliver<B: PrefillBackend>(
     reply: oneshot::Receiver<Result<Computed, ErrorBody>>,
 ) -> Result<Computed, ErrorBody> {
     let upload_started = Instant::now();
+    let span = crate::trace::kv_transfer(url);
     let uploading = async {
-        upload(&server.client, url, frames).await?;
+        let sent = upload(&server.client, url, frames).await;
+        if let Err(e) = &sent {
+            crate::trace::record_error(&tracing::Span::current(), &e.message);
+        }
+        sent?;
         Ok::<Instant, ErrorBody>(Instant::now())
-    };
+    }
+    .instrument(span);
     let (computed, uploaded) = tokio::join!(reply, uploading);
     let computed = computed.map_err(|_| {
         ErrorBody::retryable(ErrorKind::EngineStopped, "the prefill engine stopped")

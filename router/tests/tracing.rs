@@ -1,0 +1,325 @@
+//! One request, one trace: a router, a prefill worker and a decode worker,
+//! each its own process exporting to an in-process OTLP/HTTP receiver
+//! (`--otlp-endpoint`), join their spans through `traceparent` (the calls'
+//! headers and the KV stream's). The test prints the span tree it got.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::routing::post;
+use common::*;
+use pdserve_testkit::process::{workspace_binary, WorkerProcess, WAIT};
+use pdserve_testkit::tiny::TinyModel;
+use serde_json::{json, Value};
+
+/// The caller's own span: the router's request span must be its child.
+const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CLIENT_SPAN: &str = "00f067aa0ba902b7";
+
+/// One exported span, flattened.
+#[derive(Clone, Debug)]
+struct Span {
+    service: String,
+    trace: String,
+    id: String,
+    parent: Option<String>,
+    name: String,
+    kind: u64,
+    start: u128,
+    end: u128,
+    attrs: HashMap<String, Value>,
+    events: Vec<String>,
+}
+
+/// A receiver of OTLP/HTTP JSON exports; returns its URL and what it got.
+async fn receiver() -> (String, Arc<Mutex<Vec<Span>>>) {
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let sink = got.clone();
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        post(move |body: axum::Json<Value>| {
+            let sink = sink.clone();
+            async move {
+                sink.lock().unwrap().extend(flatten(&body));
+                axum::Json(json!({}))
+            }
+        }),
+    );
+    (serve(app).await, got)
+}
+
+fn flatten(export: &Value) -> Vec<Span> {
+    let mut out = Vec::new();
+    let nanos = |v: &Value| v.as_str().and_then(|s| s.parse().ok()).unwrap_or(0u128);
+    for rs in export["resourceSpans"].as_array().into_iter().flatten() {
+        let service = attrs(&rs["resource"]["attributes"])["service.name"].clone();
+        for ss in rs["scopeSpans"].as_array().into_iter().flatten() {
+            for s in ss["spans"].as_array().into_iter().flatten() {
+                out.push(Span {
+                    service: service.as_str().unwrap_or("").to_string(),
+                    trace: s["traceId"].as_str().unwrap_or("").to_string(),
+                    id: s["spanId"].as_str().unwrap_or("").to_string(),
+                    parent: s["parentSpanId"].as_str().map(str::to_string),
+                    name: s["name"].as_str().unwrap_or("").to_string(),
+                    kind: s["kind"].as_u64().unwrap_or(0),
+                    start: nanos(&s["startTimeUnixNano"]),
+                    end: nanos(&s["endTimeUnixNano"]),
+                    attrs: attrs(&s["attributes"]),
+                    events: s["events"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|e| e["name"].as_str().unwrap_or("").to_string())
+                        .collect(),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// OTLP key-values as a map of their plain values.
+fn attrs(list: &Value) -> HashMap<String, Value> {
+    let mut out = HashMap::new();
+    for kv in list.as_array().into_iter().flatten() {
+        let v = &kv["value"];
+        let plain = ["stringValue", "intValue", "doubleValue", "boolValue"]
+            .iter()
+            .find_map(|k| v.get(*k).cloned())
+            .unwrap_or(Value::Null);
+        out.insert(kv["key"].as_str().unwrap_or("").to_string(), plain);
+    }
+    out
+}
+
+fn int(v: Option<&Value>) -> i64 {
+    match v {
+        Some(Value::String(s)) => s.parse().unwrap_or(-1),
+        Some(v) => v.as_i64().unwrap_or(-1),
+        None => -1,
+    }
+}
+
+/// Prints the tree under `id`, one span a line: service, name, duration.
+fn print_tree(spans: &[Span], id: &str, depth: usize, out: &mut String) {
+    let mut children: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.parent.as_deref() == Some(id))
+        .collect();
+    children.sort_by_key(|s| s.start);
+    for s in children {
+        let ms = (s.end.saturating_sub(s.start)) as f64 / 1e6;
+        let line = format!(
+            "{}{} [{}] {:.1} ms\n",
+            "  ".repeat(depth),
+            s.name,
+            s.service,
+            ms
+        );
+        out.push_str(&line);
+        print_tree(spans, &s.id, depth + 1, out);
+    }
+}
+
+async fn start(exe: &str, args: &[&str]) -> WorkerProcess {
+    WorkerProcess::start(exe, args, WAIT).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_request_is_one_trace_across_the_three_processes() {
+    let Some(mock) = workspace_binary("pdserve-mock-worker") else {
+        return;
+    };
+    let mock = mock.to_str().unwrap();
+    let model = TinyModel::new();
+    let (otlp, got) = receiver().await;
+    let traced = ["--otlp-endpoint", otlp.as_str()];
+    let worker = |pool: &'static str| {
+        let mut a = vec!["--pool", pool, "--port", "0", "--model", model.arg()];
+        a.extend(traced);
+        a.extend(["--latency-scale", "0.1"]);
+        a
+    };
+    let decode = start(mock, &worker("decode")).await;
+    let known = format!("--decode-url={}", decode.url);
+    let mut prefill_args = worker("prefill");
+    prefill_args.push(&known);
+    let prefill = start(mock, &prefill_args).await;
+    let (p, d) = (
+        format!("--prefill-url={}", prefill.url),
+        format!("--decode-url={}", decode.url),
+    );
+    let mut router_args = vec!["--port", "0", "--served-model-name", MODEL];
+    router_args.extend(["--model", model.arg(), "--mode", "disaggregated", &p, &d]);
+    router_args.extend(traced);
+    let router = start(env!("CARGO_BIN_EXE_pdserve-router"), &router_args).await;
+    wait_ready(&router.url).await;
+
+    let body = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Trace this request, please."}],
+        "max_tokens": 5,
+        "ignore_eos": true,
+        "stream": true,
+    });
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", router.url))
+        .header("traceparent", format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let text = resp.text().await.unwrap();
+    assert!(text.contains("data: [DONE]"), "{text}");
+
+    // Every process exports within its batch delay (0.5 s).
+    let wanted = [
+        ("pdserve-router", "chat tiny"),
+        ("pdserve-router", "decode"),
+        ("pdserve-router", "prefill"),
+        ("pdserve-mock-prefill", "prefill"),
+        ("pdserve-mock-prefill", "queue"),
+        ("pdserve-mock-prefill", "compute"),
+        ("pdserve-mock-prefill", "kv_transfer"),
+        ("pdserve-mock-decode", "kv_receive"),
+        ("pdserve-mock-decode", "decode"),
+    ];
+    let spans = || got.lock().unwrap().clone();
+    let has = |all: &[Span], (svc, name): (&str, &str)| {
+        all.iter().any(|s| s.service == svc && s.name == name)
+    };
+    wait_until(Duration::from_secs(10), || async {
+        let all = spans();
+        wanted.iter().all(|w| has(&all, *w))
+    })
+    .await;
+    let all = spans();
+    for w in wanted {
+        assert!(has(&all, w), "no {w:?} span in {all:#?}");
+    }
+
+    // One trace: the caller's, every span in it, joined into one tree.
+    let trace: Vec<Span> = all
+        .iter()
+        .filter(|s| s.trace == CLIENT_TRACE)
+        .cloned()
+        .collect();
+    assert_eq!(trace.len(), all.len(), "spans outside the trace: {all:#?}");
+    let by_id: HashMap<&str, &Span> = trace.iter().map(|s| (s.id.as_str(), s)).collect();
+    let get = |svc: &str, name: &str| {
+        let found = trace.iter().find(|s| s.service == svc && s.name == name);
+        found.unwrap_or_else(|| panic!("no {svc} {name}"))
+    };
+    let root = get("pdserve-router", "chat tiny");
+    assert_eq!(root.parent.as_deref(), Some(CLIENT_SPAN));
+    for s in &trace {
+        let mut at = s;
+        while at.id != root.id {
+            let parent = at.parent.as_deref().unwrap_or("");
+            at = by_id
+                .get(parent)
+                .unwrap_or_else(|| panic!("{} [{}] is not under the request", s.name, s.service));
+        }
+    }
+    let parent_of = |s: &Span| by_id[s.parent.as_deref().unwrap()];
+    let router_decode = get("pdserve-router", "decode");
+    let router_prefill = get("pdserve-router", "prefill");
+    assert_eq!(
+        parent_of(get("pdserve-mock-decode", "decode")).id,
+        router_decode.id
+    );
+    assert_eq!(
+        parent_of(get("pdserve-mock-prefill", "prefill")).id,
+        router_prefill.id
+    );
+    let kv_transfer = get("pdserve-mock-prefill", "kv_transfer");
+    assert_eq!(
+        parent_of(get("pdserve-mock-decode", "kv_receive")).id,
+        kv_transfer.id
+    );
+    assert_eq!((root.kind, router_decode.kind, kv_transfer.kind), (2, 3, 3));
+
+    // GenAI attributes and pdserve's stages.
+    assert_eq!(root.attrs["gen_ai.operation.name"], "chat");
+    assert_eq!(root.attrs["gen_ai.request.model"], MODEL);
+    assert_eq!(int(root.attrs.get("gen_ai.request.max_tokens")), 5);
+    assert!(int(root.attrs.get("gen_ai.usage.input_tokens")) > 0);
+    assert_eq!(int(root.attrs.get("gen_ai.usage.output_tokens")), 5);
+    assert!(root.events.contains(&"first_token".to_string()), "{root:?}");
+    let request_id = root.attrs["request_id"].as_str().unwrap().to_string();
+    let worker_decode = get("pdserve-mock-decode", "decode");
+    assert!(request_id.starts_with("chatcmpl-"));
+    assert!(worker_decode.attrs["request_id"]
+        .as_str()
+        .unwrap()
+        .starts_with(&request_id));
+    assert_eq!(
+        int(worker_decode.attrs.get("gen_ai.usage.output_tokens")),
+        5
+    );
+    assert!(
+        int(get("pdserve-mock-decode", "kv_receive")
+            .attrs
+            .get("pdserve.kv_bytes"))
+            > 0
+    );
+
+    // The logs carry the trace and the request id.
+    let log = router.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains(" request ") || l.ends_with(" request"));
+    let line = line.unwrap_or_else(|| panic!("no request line in {log}"));
+    assert!(line.contains(&format!("trace_id={CLIENT_TRACE}")), "{line}");
+    assert!(line.contains(&request_id), "{line}");
+
+    // A caller's unsampled trace is not exported; a request without a
+    // `traceparent` starts a trace of its own.
+    let send = |traceparent: Option<String>| {
+        let mut req = reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", router.url))
+            .json(&body);
+        if let Some(tp) = traceparent {
+            req = req.header("traceparent", tp);
+        }
+        async move { req.send().await.unwrap().text().await.unwrap() }
+    };
+    let unsampled = "0af7651916cd43dd8448eb211c80319c";
+    send(Some(format!("00-{unsampled}-b7ad6b7169203331-00"))).await;
+    send(None).await;
+    let roots = || {
+        let all = spans();
+        let new_roots = all
+            .iter()
+            .filter(|s| s.parent.is_none() && s.name == "chat tiny");
+        new_roots.map(|s| s.trace.clone()).collect::<Vec<_>>()
+    };
+    let in_trace = |t: &str| spans().iter().filter(|s| s.trace == t).count();
+    wait_until(Duration::from_secs(10), || async {
+        roots().first().is_some_and(|t| in_trace(t) >= wanted.len())
+    })
+    .await;
+    let fresh = roots();
+    assert_eq!(fresh.len(), 1, "{fresh:?}");
+    assert!(![CLIENT_TRACE, unsampled].contains(&fresh[0].as_str()));
+    let fresh_spans = in_trace(&fresh[0]);
+    assert!(
+        fresh_spans >= wanted.len(),
+        "{fresh_spans} spans in the new trace"
+    );
+    assert!(!spans().iter().any(|s| s.trace == unsampled));
+
+    let mut tree = format!(
+        "{} [{}] {:.1} ms\n",
+        root.name,
+        root.service,
+        (root.end - root.start) as f64 / 1e6
+    );
+    print_tree(&trace, &root.id, 1, &mut tree);
+    println!("trace {CLIENT_TRACE}:\n{tree}");
+    drop((router, prefill, decode));
+}
