@@ -323,9 +323,19 @@ def check_router_policy(overlay, pool, spec, env):
     want = {f"PDSERVE_{p}_MIN_REPLICAS": spec.get("minReplicaCount"),
             f"PDSERVE_{p}_MAX_REPLICAS": spec.get("maxReplicaCount")}
     first = spec["triggers"][0]["metadata"]["threshold"]
-    target_var = "PDSERVE_PREFILL_TARGET_BACKLOG_SECONDS" if pool == "prefill" else "PDSERVE_DECODE_TARGET"
     got = {k: env.get(k) for k in want}
-    ok = all(str(v) == str(got[k]) for k, v in want.items()) and float(env.get(target_var, "nan")) == float(first)
+    bounds = all(str(v) == str(got[k]) for k, v in want.items())
+    if env.get("PDSERVE_AUTOSCALER_MODE") == "planned":
+        # KEDA follows the router's decision: one trigger, desired replicas of this pool.
+        queries = [t["metadata"].get("query", "") for t in spec["triggers"]]
+        follows = (len(queries) == 1 and "pdserve_autoscaler_desired_replicas" in queries[0]
+                   and f'pool="{pool}"' in queries[0] and float(first) == 1.0)
+        model = env.get("PDSERVE_AUTOSCALER_MODEL", "")
+        check(f"{overlay}: planned {pool} follows the router's desired replicas", bounds and follows and bool(model),
+              f"router {got} model={model!r}; ScaledObject {want} queries={queries} threshold={first}")
+        return
+    target_var = "PDSERVE_PREFILL_TARGET_BACKLOG_SECONDS" if pool == "prefill" else "PDSERVE_DECODE_TARGET"
+    ok = bounds and float(env.get(target_var, "nan")) == float(first)
     check(f"{overlay}: router policy for {pool} matches its ScaledObject", ok,
           f"router {got} {target_var}={env.get(target_var)}; ScaledObject {want} threshold={first}")
 

@@ -30,6 +30,8 @@ pub struct RouterMetrics {
     pub migration: MigrationMetrics,
     /// The pools, from the workers' load reports, and the autoscaler.
     pub pools: PoolMetrics,
+    /// The load offered to the router (`planned` autoscaling's input).
+    pub offered: crate::autoscaler::planned::OfferedLoad,
 }
 
 /// Streams moved to another decode worker mid-generation.
@@ -88,6 +90,24 @@ pub struct PoolMetrics {
     pub prefill_backlog: Gauge,
     pub pool_kv_usage: GaugeVec,
     pub desired_replicas: IntGaugeVec,
+    /// `planned` autoscaling: each pool's demand in replicas, and the live
+    /// correction factor (measured over modelled time).
+    pub demand_replicas: GaugeVec,
+    pub correction: GaugeVec,
+}
+
+impl PoolMetrics {
+    /// Exports one tick of the planned autoscaler.
+    pub fn record_plan(&self, d: crate::autoscaler::planned::Demand, correction: [f64; 2]) {
+        for (pool, demand, corr) in [
+            (Pool::Prefill, d.prefill, correction[0]),
+            (Pool::Decode, d.decode, correction[1]),
+        ] {
+            let label = [pool_label(pool)];
+            self.demand_replicas.with_label_values(&label).set(demand);
+            self.correction.with_label_values(&label).set(corr);
+        }
+    }
 }
 
 pub fn pool_label(pool: Pool) -> &'static str {
@@ -151,6 +171,7 @@ impl RouterMetrics {
             ),
             migration: MigrationMetrics::new(&r),
             pools: PoolMetrics::new(&r),
+            offered: Default::default(),
             registry: r,
         }
     }
@@ -212,6 +233,18 @@ impl PoolMetrics {
                 r,
                 m::AUTOSCALER_DESIRED_REPLICAS,
                 "The autoscaler's decision per pool.",
+                pool,
+            ),
+            demand_replicas: m::gauge_vec(
+                r,
+                m::AUTOSCALER_DEMAND_REPLICAS,
+                "Planned autoscaling: the replicas the modelled load needs, per pool (fractional).",
+                pool,
+            ),
+            correction: m::gauge_vec(
+                r,
+                m::AUTOSCALER_CORRECTION,
+                "Planned autoscaling: measured over modelled time (prefill compute, decode step).",
                 pool,
             ),
         }

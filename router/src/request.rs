@@ -58,6 +58,9 @@ impl Admission {
             (true, false) => Some(ApiError::Overloaded),
             (true, true) => None,
         };
+        if refusal.is_none() {
+            self.metrics.offered.arrived();
+        }
         Request {
             id: new_id(prefix),
             endpoint,
@@ -137,6 +140,7 @@ impl Request {
         let m = &self.metrics;
         m.prompt_tokens.inc_by(usage.prompt_tokens as u64);
         m.generation_tokens.inc_by(usage.completion_tokens as u64);
+        m.offered.request(&usage);
         let span = &self.span;
         span.record("gen_ai.usage.input_tokens", usage.prompt_tokens);
         span.record("gen_ai.usage.output_tokens", usage.completion_tokens);

@@ -15,19 +15,8 @@ use pdserve_testkit::tiny::TinyModel;
 use serde_json::{json, Value};
 
 async fn router(model: &TinyModel) -> WorkerProcess {
-    let args = [
-        "--port",
-        "0",
-        "--served-model-name",
-        MODEL,
-        "--model",
-        model.arg(),
-        "--mode",
-        "disaggregated",
-        "--health-interval-ms",
-        "100",
-    ];
-    WorkerProcess::start(env!("CARGO_BIN_EXE_pdserve-router"), &args, WAIT).await
+    let args = ["--mode", "disaggregated", "--health-interval-ms", "100"];
+    common::process::router_process(model, &args).await
 }
 
 async fn mock(exe: &str, model: &TinyModel, pool: &str, routers: &str) -> WorkerProcess {

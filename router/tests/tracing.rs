@@ -152,10 +152,9 @@ async fn one_request_is_one_trace_across_the_three_processes() {
         format!("--prefill-url={}", prefill.url),
         format!("--decode-url={}", decode.url),
     );
-    let mut router_args = vec!["--port", "0", "--served-model-name", MODEL];
-    router_args.extend(["--model", model.arg(), "--mode", "disaggregated", &p, &d]);
+    let mut router_args = vec!["--mode", "disaggregated", &p, &d];
     router_args.extend(traced);
-    let router = start(env!("CARGO_BIN_EXE_pdserve-router"), &router_args).await;
+    let router = common::process::router_process(&model, &router_args).await;
     wait_ready(&router.url).await;
 
     let body = json!({

@@ -68,12 +68,6 @@ async fn streams_over(protocol: &str, exe: &str, model: &TinyModel) -> usize {
     let decode = WorkerProcess::start(exe, &decode_args, WAIT).await;
     let port: u16 = decode.url.rsplit(':').next().unwrap().parse().unwrap();
     let router_args = [
-        "--port",
-        "0",
-        "--served-model-name",
-        MODEL,
-        "--model",
-        model.arg(),
         "--mode",
         "aggregated",
         "--decode-url",
@@ -83,8 +77,7 @@ async fn streams_over(protocol: &str, exe: &str, model: &TinyModel) -> usize {
         "--worker-protocol",
         protocol,
     ];
-    let router =
-        WorkerProcess::start(env!("CARGO_BIN_EXE_pdserve-router"), &router_args, WAIT).await;
+    let router = common::process::router_process(model, &router_args).await;
     wait_until(WAIT, || async {
         let r = reqwest::get(format!("{}/ready", router.url)).await;
         r.is_ok_and(|r| r.status() == 200)

@@ -9,7 +9,7 @@
 pub mod budget;
 pub mod config;
 pub mod decode;
-pub mod latency;
+pub use pdserve_protocol::latency;
 pub mod prefill;
 pub mod prefix;
 pub mod shape;

@@ -6,9 +6,14 @@
 //!   prefill queues, and in decode queues while prompts are prefilled
 //!   locally) over the throughput one prefill replica delivers.
 //! - Decode scales on active sequences per replica (or KV usage).
+//!
+//! Or, with `--autoscaler-mode planned`, both pools are sized together
+//! from the engine's latency model and the offered load ([`planned`]).
 
+pub mod planned;
 pub mod policy;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,7 +24,17 @@ use tokio_util::sync::CancellationToken;
 use crate::metrics::{pool_label, RouterMetrics};
 use crate::registry::{Health, Registry};
 use crate::supervisor::Supervisor;
+use planned::Planner;
 use policy::{Policy, PolicyConfig};
+
+/// How the pools are sized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AutoscalerMode {
+    /// Each pool on its own signal: prefill backlog, decode sequences or KV.
+    Independent,
+    /// Both pools from the latency model and the offered load ([`planned`]).
+    Planned,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ExecutorKind {
@@ -91,6 +106,39 @@ pub struct AutoscalerArgs {
     /// replica); 1 is no margin. Keeps a flat load from flapping N ↔ N−1.
     #[arg(long, env = "PDSERVE_SCALE_DOWN_HEADROOM", default_value_t = 0.9)]
     pub scale_down_headroom: f64,
+    /// `independent`: each pool on its own signal; `planned`: both pools
+    /// together from `--autoscaler-model` and the load the router measures.
+    #[arg(long, env = "PDSERVE_AUTOSCALER_MODE", value_enum, default_value_t = AutoscalerMode::Independent)]
+    pub autoscaler_mode: AutoscalerMode,
+    /// The engine's latency model for `planned`: the JSON of
+    /// `pdserve-loadtest engine --json` (what the planner fits from).
+    #[arg(long, env = "PDSERVE_AUTOSCALER_MODEL")]
+    pub autoscaler_model: Option<PathBuf>,
+    /// Which weights' result of a multi-result model file to use.
+    #[arg(
+        long,
+        env = "PDSERVE_AUTOSCALER_MODEL_WEIGHTS",
+        default_value = "native"
+    )]
+    pub autoscaler_model_weights: String,
+    /// `planned`: the time per output token a decode replica must stay
+    /// within, in milliseconds; it caps the batch each replica is planned for.
+    #[arg(long, env = "PDSERVE_AUTOSCALER_SLO_TPOT_MS", default_value_t = 50.0)]
+    pub autoscaler_slo_tpot_ms: f64,
+    /// `planned`: the share of each replica's modelled capacity to fill.
+    #[arg(long, env = "PDSERVE_AUTOSCALER_UTILIZATION", default_value_t = 0.8)]
+    pub autoscaler_utilization: f64,
+    /// `planned`: the largest batch a decode replica is planned for (its
+    /// `--max-batch`).
+    #[arg(long, env = "PDSERVE_AUTOSCALER_MAX_BATCH", default_value_t = 32)]
+    pub autoscaler_max_batch: usize,
+    /// `planned`: seconds of finished requests the offered load is measured over.
+    #[arg(
+        long,
+        env = "PDSERVE_AUTOSCALER_LOAD_WINDOW_SECONDS",
+        default_value_t = 30
+    )]
+    pub autoscaler_load_window_seconds: u64,
 }
 
 impl AutoscalerArgs {
@@ -106,10 +154,20 @@ impl AutoscalerArgs {
         {
             return Err("a pool's min replicas exceed its max".into());
         }
+        if self.autoscaler_mode == AutoscalerMode::Planned {
+            Planner::from_args(self)?;
+            if !(self.autoscaler_utilization > 0.0 && self.autoscaler_utilization <= 1.0) {
+                return Err("--autoscaler-utilization must be in (0, 1]".into());
+            }
+            if self.autoscaler_load_window_seconds == 0 {
+                return Err("--autoscaler-load-window-seconds must be at least 1".into());
+            }
+        }
         let positive = [
             self.prefill_target_backlog_seconds,
             self.prefill_tokens_per_second,
             self.decode_target,
+            self.autoscaler_slo_tpot_ms,
         ];
         match positive.iter().all(|v| v.is_finite() && *v > 0.0) {
             true => Ok(()),
@@ -117,6 +175,8 @@ impl AutoscalerArgs {
         }
     }
 
+    /// The policy of `pool`. In `planned` mode its signal is the demand in
+    /// replicas, so its target is one replica.
     pub fn policy(&self, pool: Pool) -> PolicyConfig {
         let (target, min, max) = match pool {
             Pool::Prefill => (
@@ -129,6 +189,10 @@ impl AutoscalerArgs {
                 self.decode_min_replicas,
                 self.decode_max_replicas,
             ),
+        };
+        let target = match self.autoscaler_mode {
+            AutoscalerMode::Independent => target,
+            AutoscalerMode::Planned => 1.0,
         };
         PolicyConfig {
             target,
@@ -286,6 +350,13 @@ pub fn spawn(
         // Whether each pool is held below its desired size for want of cores.
         let mut held = [Held::default(), Held::default()];
         let configs = [args.policy(Pool::Prefill), args.policy(Pool::Decode)];
+        let mut planner = match args.autoscaler_mode {
+            AutoscalerMode::Planned => Planner::from_args(&args)
+                .map_err(|e| tracing::error!("planned autoscaling off: {e}"))
+                .ok(),
+            AutoscalerMode::Independent => None,
+        };
+        let window = Duration::from_secs(args.autoscaler_load_window_seconds.max(1));
         let mut tick =
             tokio::time::interval(Duration::from_millis(args.autoscaler_interval_ms.max(10)));
         loop {
@@ -302,9 +373,19 @@ pub fn spawn(
                 .with_label_values(&[pool_label(Pool::Decode)])
                 .set(s.decode_kv_usage);
             let now = origin.elapsed();
+            let pool_signals = match planner.as_mut() {
+                Some(p) => {
+                    let offered = metrics.offered.over(window);
+                    let decode = registry.candidates(Pool::Decode, None);
+                    let d = p.demand(&offered, &decode);
+                    metrics.pools.record_plan(d, p.correction);
+                    [d.prefill, d.decode]
+                }
+                None => [s.prefill_backlog_seconds, s.decode],
+            };
             for (i, (pool, signal)) in [
-                (Pool::Prefill, s.prefill_backlog_seconds),
-                (Pool::Decode, s.decode),
+                (Pool::Prefill, pool_signals[0]),
+                (Pool::Decode, pool_signals[1]),
             ]
             .into_iter()
             .enumerate()

@@ -525,6 +525,9 @@ impl Dispatcher {
             match result {
                 Ok(Ok(r)) => {
                     self.observe_prefill(&r, started.elapsed());
+                    let computed =
+                        (job.prompt_tokens.len() as u32).saturating_sub(job.cached_tokens);
+                    self.metrics.offered.prefill(r.compute_seconds, computed);
                     return Ok(r);
                 }
                 Ok(Err(e)) if e.status().is_server_error() => {

@@ -114,3 +114,16 @@ impl Drop for Router {
         }
     }
 }
+
+/// The router binary on a free port of loopback, serving the tiny `model`
+/// as `MODEL`, with `extra` flags; returns once it listens.
+pub async fn router_process(
+    model: &pdserve_testkit::tiny::TinyModel,
+    extra: &[&str],
+) -> pdserve_testkit::process::WorkerProcess {
+    use pdserve_testkit::process::{WorkerProcess, WAIT};
+    let mut args = vec!["--port", "0", "--served-model-name", super::MODEL];
+    args.extend(["--model", model.arg()]);
+    args.extend_from_slice(extra);
+    WorkerProcess::start(env!("CARGO_BIN_EXE_pdserve-router"), &args, WAIT).await
+}

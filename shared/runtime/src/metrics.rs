@@ -45,6 +45,8 @@ pub const LOCAL_PREFILLS_TOTAL: &str = "pdserve_local_prefills_total";
 pub const PREFILL_BACKLOG_SECONDS: &str = "pdserve_prefill_backlog_seconds";
 pub const POOL_KV_USAGE_RATIO: &str = "pdserve_pool_kv_usage_ratio";
 pub const AUTOSCALER_DESIRED_REPLICAS: &str = "pdserve_autoscaler_desired_replicas";
+pub const AUTOSCALER_DEMAND_REPLICAS: &str = "pdserve_autoscaler_demand_replicas";
+pub const AUTOSCALER_CORRECTION: &str = "pdserve_autoscaler_correction";
 
 /// Label values.
 pub mod labels {

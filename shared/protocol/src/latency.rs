@@ -1,5 +1,8 @@
-//! The latency model: how long the mock takes for what the real engine
-//! computes.
+//! The latency model of an engine: how long a prefill and a decode step
+//! take. The mock worker waits this long instead of computing, the
+//! simulator and the planner run on it, and the router's `planned`
+//! autoscaler sizes both pools with it. Its input is the JSON that
+//! `pdserve-loadtest engine --json` writes.
 //!
 //! - prefill of a prompt of `n` tokens: `a·n + b`;
 //! - one decode step over `batch` sequences holding `ctx` tokens of context
