@@ -15,6 +15,12 @@
 # per core as the local supervisor does) and fits the simulator's latency
 # model from `pdserve-loadtest engine` on one thread, measured first
 # (or from PDSERVE_MOCK_FIT_FROM, if set).
+#
+# CORRECT=1 (with REAL=1) also simulates each rate with the live correction
+# factors of that rate's run: the workers' own mean prefill time per prompt
+# (`pdserve_prefill_seconds`, `pdserve_prompt_tokens_total`) and mean decode
+# step (`pdserve_decode_step_seconds`, `pdserve_decode_batch_size`) over the
+# fitted model's, applied to the engine profile (correct_profile.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BIN="${PDSERVE_BIN:-$ROOT/target/release}"
@@ -74,33 +80,58 @@ IFS=, read -ra rates <<<"$RATES"
 # A fresh workload seed for each rate (unless one is given): the workers'
 # prefix caches still hold the last rate's prompts, the simulator's do not.
 seeded=0; for a in "$@"; do [ "$a" = --seed ] && seeded=1; done
+# The workers' sums of the series the corrections read, as one JSON line.
+scrape() {
+    for url in "${prefill[@]}" "${decode[@]}"; do curl -sf "$url/metrics"; done |
+        python3 "$ROOT/loadtest/scripts/correct_profile.py" --sum
+}
 n=0
 for rate in "${rates[@]}"; do
     seed=(); n=$((n + 1)); [ "$seeded" = 1 ] || seed=(--seed $((7000 + n)))
+    [ "${CORRECT:-0}" = 1 ] && scrape >"$OUT/before-$rate.json"
     "$BIN/pdserve-loadtest" run --url "http://127.0.0.1:$R" --rate "$rate" --no-progress \
         --json "$OUT/run-$rate.json" "${seed[@]}" "$@" >/dev/null
     "$BIN/pdserve-loadtest" simulate --prefill-workers "$P" --decode-workers "$D" \
         --rate "$rate" --no-progress --json "$OUT/sim-$rate.json" "${seed[@]}" "$@" >/dev/null
+    if [ "${CORRECT:-0}" = 1 ]; then
+        scrape >"$OUT/after-$rate.json"
+        python3 "$ROOT/loadtest/scripts/correct_profile.py" "$PDSERVE_MOCK_FIT_FROM" \
+            "$OUT/before-$rate.json" "$OUT/after-$rate.json" "$OUT/engine-$rate.json"
+        PDSERVE_MOCK_FIT_FROM="$OUT/engine-$rate.json" "$BIN/pdserve-loadtest" simulate \
+            --prefill-workers "$P" --decode-workers "$D" --rate "$rate" --no-progress \
+            --json "$OUT/corrected-$rate.json" "${seed[@]}" "$@" >/dev/null
+    fi
 done
 python3 - "$OUT" "$P" "$D" "${rates[@]}" <<'EOF'
-import json, sys
+import json, os, sys
 out, p, d, rates = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 def summary(kind, rate):
     with open(f"{out}/{kind}-{rate}.json") as f:
         return json.load(f)["points"][0]["targets"][0]["summary"]
-kind = "real workers" if __import__("os").environ.get("REAL") == "1" else "mocks"
-print(f"| {p} + {d} {kind}, rate | measure | measured | simulated | sim / measured |")
-print("| --- | --- | --- | --- | --- |")
+kind = "real workers" if os.environ.get("REAL") == "1" else "mocks"
+corrected = os.path.exists(f"{out}/corrected-{rates[0]}.json")
+extra = " corrected | corrected / measured |" if corrected else ""
+print(f"| {p} + {d} {kind}, rate | measure | measured | simulated | sim / measured |{extra}")
+print("| --- | --- | --- | --- | --- |" + (" --- | --- |" if corrected else ""))
+ratio = lambda v, a: f"{v / a:.2f}" if a else "nan"
 for rate in rates:
     m, s = summary("run", rate), summary("sim", rate)
+    c = summary("corrected", rate) if corrected else None
     rows = [
-        ("TTFT p50 ms", m["ttft"]["p50"] * 1e3, s["ttft"]["p50"] * 1e3),
-        ("TTFT p99 ms", m["ttft"]["p99"] * 1e3, s["ttft"]["p99"] * 1e3),
-        ("TPOT p50 ms", m["tpot"]["p50"] * 1e3, s["tpot"]["p50"] * 1e3),
-        ("goodput req/s", m["goodput"], s["goodput"]),
+        ("TTFT p50 ms", lambda x: x["ttft"]["p50"] * 1e3),
+        ("TTFT p99 ms", lambda x: x["ttft"]["p99"] * 1e3),
+        ("TPOT p50 ms", lambda x: x["tpot"]["p50"] * 1e3),
+        ("goodput req/s", lambda x: x["goodput"]),
     ]
-    for name, a, b in rows:
-        ratio = b / a if a else float("nan")
-        print(f"| {rate} | {name} | {a:.1f} | {b:.1f} | {ratio:.2f} |")
-    print(f"| {rate} | ok / requests | {m['ok']} / {m['requests']} | {s['ok']} / {s['requests']} | |")
+    for name, get in rows:
+        a, b = get(m), get(s)
+        line = f"| {rate} | {name} | {a:.1f} | {b:.1f} | {ratio(b, a)} |"
+        if c:
+            line += f" {get(c):.1f} | {ratio(get(c), a)} |"
+        print(line)
+    tail = f" {c['ok']} / {c['requests']} | |" if c else ""
+    print(f"| {rate} | ok / requests | {m['ok']} / {m['requests']} | {s['ok']} / {s['requests']} | |{tail}")
+    if c:
+        corr = json.load(open(f"{out}/engine-{rate}.json"))["correction"]
+        print(f"| {rate} | corrections (prefill, decode) | | | | {corr[0]:.2f}, {corr[1]:.2f} | |")
 EOF

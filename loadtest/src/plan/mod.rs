@@ -54,6 +54,10 @@ pub struct Space {
     /// Most decode workers to consider.
     #[arg(long, env = "PDSERVE_PLAN_MAX_DECODE_WORKERS", default_value_t = 8)]
     pub max_decode_workers: usize,
+    /// Most workers of both pools together (the cores of a machine that runs
+    /// one single-threaded worker per core): larger clusters are not tried.
+    #[arg(long, env = "PDSERVE_PLAN_MAX_WORKERS")]
+    pub max_workers: Option<usize>,
     /// What one prefill worker costs (cores, dollars an hour: any unit, the same as --decode-cost).
     #[arg(long, env = "PDSERVE_PLAN_PREFILL_COST", default_value_t = 1.0)]
     pub prefill_cost: f64,
@@ -95,6 +99,12 @@ impl Space {
         }
         if self.min_decode_workers == 0 || self.min_decode_workers > self.max_decode_workers {
             bail!("--min-decode-workers must be at least 1 and at most --max-decode-workers");
+        }
+        if self
+            .max_workers
+            .is_some_and(|m| m < self.min_decode_workers + self.min_prefill_workers)
+        {
+            bail!("--max-workers is below the smallest cluster of the space");
         }
         if mode == Mode::Disaggregated && self.max_prefill_workers == 0 {
             bail!("--mode disaggregated needs --max-prefill-workers of at least 1");
@@ -217,7 +227,10 @@ impl Evaluator<'_> {
     /// that meets the SLOs, if the largest does.
     fn smallest_decode(&self, knobs: Knobs, prefill: usize) -> anyhow::Result<()> {
         let (mut lo, mut hi) = (self.space.min_decode_workers, self.space.max_decode_workers);
-        if !self.evaluate(knobs, prefill, hi)? {
+        if let Some(max) = self.space.max_workers {
+            hi = hi.min(max.saturating_sub(prefill));
+        }
+        if hi < lo || !self.evaluate(knobs, prefill, hi)? {
             return Ok(());
         }
         // Invariant: `hi` meets; everything below `lo` does not.

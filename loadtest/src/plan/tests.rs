@@ -197,3 +197,16 @@ fn the_report_has_the_plot_the_table_and_the_command() {
     let svg = std::fs::read_to_string(plot_path(dir.path())).unwrap();
     assert!(svg.contains("<svg"));
 }
+
+#[test]
+fn max_workers_caps_both_pools_together() {
+    let plan = search(&with(&["--max-workers=3", "--max-prefill-workers=2"])).unwrap();
+    assert!(!plan.candidates.is_empty());
+    for c in &plan.candidates {
+        assert!(c.prefill_workers + c.decode_workers <= 3, "{c:?}");
+    }
+    let unlimited = search(&with(&["--max-prefill-workers=2"])).unwrap();
+    let biggest = unlimited.candidates.iter().map(|c| c.prefill_workers + c.decode_workers).max();
+    assert!(biggest > Some(3), "the cap must remove something: {biggest:?}");
+    assert!(search(&with(&["--max-workers=0"])).is_err());
+}
