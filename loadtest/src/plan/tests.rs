@@ -206,7 +206,14 @@ fn max_workers_caps_both_pools_together() {
         assert!(c.prefill_workers + c.decode_workers <= 3, "{c:?}");
     }
     let unlimited = search(&with(&["--max-prefill-workers=2"])).unwrap();
-    let biggest = unlimited.candidates.iter().map(|c| c.prefill_workers + c.decode_workers).max();
-    assert!(biggest > Some(3), "the cap must remove something: {biggest:?}");
+    let biggest = unlimited
+        .candidates
+        .iter()
+        .map(|c| c.prefill_workers + c.decode_workers)
+        .max();
+    assert!(
+        biggest > Some(3),
+        "the cap must remove something: {biggest:?}"
+    );
     assert!(search(&with(&["--max-workers=0"])).is_err());
 }
