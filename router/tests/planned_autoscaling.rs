@@ -134,7 +134,7 @@ async fn a_step_moves_both_pools_to_the_plan_and_a_flat_load_holds_them() {
         "--decode-max-replicas",
         "6",
     ];
-    let router = common::process::router_process(&model, &args).await;
+    let mut router = common::process::router_process(&model, &args).await;
     let url = router.url.clone();
     wait_until(WAIT, || async { pools(&url).await.ready == [1.0, 1.0] }).await;
 
@@ -203,5 +203,8 @@ async fn a_step_moves_both_pools_to_the_plan_and_a_flat_load_holds_them() {
         pools(&url).await.desired == [1.0, 1.0]
     })
     .await;
-    drop(router);
+    // SIGTERM, not the kill of a drop: the router drains and stops the
+    // worker processes it started.
+    router.terminate();
+    router.exits_cleanly().await;
 }
