@@ -356,6 +356,9 @@ pub fn spawn(
                 .ok(),
             AutoscalerMode::Independent => None,
         };
+        if planner.is_some() {
+            metrics.offered.enable();
+        }
         let window = Duration::from_secs(args.autoscaler_load_window_seconds.max(1));
         let mut tick =
             tokio::time::interval(Duration::from_millis(args.autoscaler_interval_ms.max(10)));

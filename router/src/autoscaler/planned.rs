@@ -27,6 +27,7 @@
 //! A step in load moves both pools in the same tick.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -44,8 +45,11 @@ const CORRECTION_RANGE: (f64, f64) = (0.1, 10.0);
 const MAX_SAMPLES: usize = 100_000;
 
 /// What the router measures of the load it is offered, over a sliding window.
+/// It records nothing (no lock on the request path) until the planned
+/// autoscaler turns it on.
 #[derive(Default)]
 pub struct OfferedLoad {
+    on: AtomicBool,
     inner: Mutex<Samples>,
 }
 
@@ -83,8 +87,16 @@ pub struct Offered {
 }
 
 impl OfferedLoad {
+    /// Starts recording (the planned autoscaler's first tick).
+    pub fn enable(&self) {
+        self.on.store(true, Ordering::Relaxed);
+    }
+
     /// A request was admitted.
     pub fn arrived(&self) {
+        if !self.on.load(Ordering::Relaxed) {
+            return;
+        }
         let mut s = self.lock();
         s.arrivals.push_back(Instant::now());
         if s.arrivals.len() > MAX_SAMPLES {
@@ -97,6 +109,9 @@ impl OfferedLoad {
         let computed = usage
             .prompt_tokens
             .saturating_sub(usage.prompt_tokens_details.cached_tokens);
+        if !self.on.load(Ordering::Relaxed) {
+            return;
+        }
         let mut s = self.lock();
         s.requests.push_back(Finished {
             at: Instant::now(),
@@ -111,7 +126,8 @@ impl OfferedLoad {
 
     /// A prefill job's compute time for `tokens` computed prompt tokens.
     pub fn prefill(&self, compute_seconds: f64, tokens: u32) {
-        if !(compute_seconds.is_finite() && compute_seconds > 0.0) || tokens == 0 {
+        let measurable = compute_seconds.is_finite() && compute_seconds > 0.0 && tokens > 0;
+        if !(measurable && self.on.load(Ordering::Relaxed)) {
             return;
         }
         let mut s = self.lock();

@@ -186,6 +186,11 @@ fn the_window_measures_rate_and_means() {
     let load = OfferedLoad::default();
     let mut usage = Usage::new(120, 30);
     usage.prompt_tokens_details.cached_tokens = 20;
+    // Off until the planned autoscaler turns it on.
+    load.arrived();
+    load.request(&usage);
+    assert_eq!(load.over(Duration::from_secs(5)), Offered::default());
+    load.enable();
     for _ in 0..10 {
         load.arrived();
         load.request(&usage);

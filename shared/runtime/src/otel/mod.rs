@@ -59,20 +59,16 @@ pub fn flush(within: Duration) {
     }
 }
 
-/// The open span's data, when it is exported.
-fn data(span: &Span) -> Option<SpanData> {
+/// The span's context, when it is exported (read in place: the span's
+/// attributes and events are not copied).
+pub fn context(span: &Span) -> Option<SpanContext> {
     span.with_subscriber(|(id, dispatch)| {
         let registry = dispatch.downcast_ref::<tracing_subscriber::Registry>()?;
         let span = registry.span(id)?;
         let ext = span.extensions();
-        ext.get::<SpanData>().cloned()
+        ext.get::<SpanData>().map(|d| d.ctx)
     })
     .flatten()
-}
-
-/// The span's context, when it is exported.
-pub fn context(span: &Span) -> Option<SpanContext> {
-    data(span).map(|d| d.ctx)
 }
 
 /// The `traceparent` value that makes a callee's spans children of `span`.
@@ -115,15 +111,15 @@ pub fn emit(
     (start, end): (SystemTime, SystemTime),
     attrs: Vec<(&str, AttrValue)>,
 ) {
-    let (Some(exporter), Some(p)) = (EXPORTER.get(), data(parent)) else {
+    let (Some(exporter), Some(p)) = (EXPORTER.get(), context(parent)) else {
         return;
     };
-    if !p.ctx.sampled {
+    if !p.sampled {
         return;
     }
     let span = SpanData {
-        ctx: p.ctx.child(),
-        parent: Some(p.ctx.span_id),
+        ctx: p.child(),
+        parent: Some(p.span_id),
         name: name.to_string(),
         kind: SpanKind::Internal,
         start,

@@ -44,7 +44,7 @@ pub(super) async fn generate<B: DecodeBackend>(
         waiting,
         request_id,
         started,
-        trace: Traced::default(),
+        trace: Traced::current(),
     }))
 }
 
@@ -130,16 +130,15 @@ struct Traced {
     tokens: u64,
 }
 
-impl Default for Traced {
-    fn default() -> Self {
+impl Traced {
+    /// Reports to the current span (the call's).
+    fn current() -> Self {
         Self {
             span: tracing::Span::current(),
             tokens: 0,
         }
     }
-}
 
-impl Traced {
     fn see(&mut self, event: &GenerateEvent) {
         match event {
             GenerateEvent::Token { .. } => {
