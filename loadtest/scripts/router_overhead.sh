@@ -2,7 +2,8 @@
 # The router's own cost: mock workers that take no compute time, a router in
 # front of them, and closed-loop streaming load at a given concurrency.
 # Prints the load test's table, the router's CPU seconds, peak RSS and open
-# descriptors, and the latency the router adds.
+# descriptors, the CPU of the load generator and the mocks, and the latency
+# the router adds.
 #
 #   loadtest/scripts/router_overhead.sh 1000 [extra load-test args]
 #   RATE=300 loadtest/scripts/router_overhead.sh open [extra load-test args]
@@ -16,6 +17,9 @@
 # WORKER_PROTOCOL=http1|http2 picks the router's calls to workers.
 # PIN=1 gives the router core 0 and everything else (mocks, load
 # generator) core 1, as a deployment would give the router its own core.
+# ROUTER_LOG and MOCK_LOG set the router's and the prefill mock's log
+# filters (default warn), e.g. MOCK_LOG=warn,hyper=debug to see why a
+# connection closed.
 #
 # Added latency, per request: the client's end-to-end time minus the decode
 # worker's own span of it (from the arrival of the router's generate call to
@@ -43,7 +47,7 @@ else
     mock=(--model "$MODEL" --prefill-fixed-ms 0 --prefill-ms-per-token 0
           --step-fixed-ms "$PACE_MS" --step-ms-per-seq 0)
 fi
-"${on_rest[@]}" "$BIN/pdserve-mock-worker" --pool prefill --port $P --max-queue 100000 --log warn \
+"${on_rest[@]}" "$BIN/pdserve-mock-worker" --pool prefill --port $P --max-queue 100000 --log "${MOCK_LOG:-warn}" \
     --decode-url "http://127.0.0.1:$D" "${mock[@]}" & pids+=($!)
 "${on_rest[@]}" "$BIN/pdserve-mock-worker" --pool decode --port $D --max-batch 100000 --max-queue 100000 \
     --kv-cache-tokens 100000000 --log "warn,pdserve_worker::decode::generate=debug" \
@@ -51,12 +55,13 @@ fi
 "${on_router[@]}" "$BIN/pdserve-router" --model "$MODEL" --port $R --mode disaggregated \
     --prefill-url "http://127.0.0.1:$P" --decode-url "http://127.0.0.1:$D" \
     --worker-protocol "${WORKER_PROTOCOL:-http2}" \
-    --max-concurrent-requests 100000 --log warn & ROUTER=$!; pids+=($ROUTER)
+    --max-concurrent-requests 100000 --log "${ROUTER_LOG:-warn}" & ROUTER=$!; pids+=($ROUTER)
 for _ in $(seq 1 120); do
     curl -sf "http://127.0.0.1:$R/ready" >/dev/null && break
     sleep 0.25
 done
-cpu() { awk '{print $14 + $15}' "/proc/$ROUTER/stat"; }
+cpu() { awk '{print $14 + $15}' "/proc/${1:-$ROUTER}/stat"; }
+PREFILL=${pids[0]}; DECODE=${pids[1]}
 fds=0
 watch_fds() {
     while kill -0 "$ROUTER" 2>/dev/null; do
@@ -65,15 +70,20 @@ watch_fds() {
     done
 }
 watch_fds & pids+=($!)
-before=$(cpu)
+before=$(cpu); d_before=$(cpu "$DECODE"); p_before=$(cpu "$PREFILL")
 start=$(date +%s.%N)
 "${on_rest[@]}" "$BIN/pdserve-loadtest" run --url "http://127.0.0.1:$R" --no-progress "${load[@]}" \
-    --json "$OUT/run.json" "$@"
+    --json "$OUT/run.json" "$@" & LOAD=$!
+load_cpu=0
+while kill -0 "$LOAD" 2>/dev/null; do load_cpu=$(cpu "$LOAD" 2>/dev/null || echo "$load_cpu"); sleep 0.2; done
+wait "$LOAD"
 end=$(date +%s.%N)
-after=$(cpu)
+after=$(cpu); d_after=$(cpu "$DECODE"); p_after=$(cpu "$PREFILL")
 ticks=$(getconf CLK_TCK)
 awk -v b="$before" -v a="$after" -v t="$ticks" -v s="$start" -v e="$end" \
     'BEGIN { printf "router CPU: %.1f s over %.1f s of load (%.0f%% of one core)\n", (a-b)/t, e-s, 100*(a-b)/t/(e-s) }'
+awk -v l="$load_cpu" -v d="$((d_after - d_before))" -v p="$((p_after - p_before))" -v t="$ticks" -v s="$start" -v e="$end" \
+    'BEGIN { printf "others: load generator %.0f%%, decode mock %.0f%%, prefill mock %.0f%% of one core\n", 100*l/t/(e-s), 100*d/t/(e-s), 100*p/t/(e-s) }'
 grep -E "VmHWM|VmRSS" "/proc/$ROUTER/status"
 echo "router open descriptors, peak: $(cat "$OUT/fds" 2>/dev/null || echo ?)"
 python3 - "$OUT/run.json" "$OUT/decode.log" <<'PY'

@@ -11,6 +11,13 @@ use pdserve_router::{build_app, build_state, discovery, discovery_config, Args};
 use pdserve_runtime::auth::Secret;
 use tokio_util::sync::CancellationToken;
 
+/// mimalloc instead of the system allocator: the router allocates small,
+/// short-lived buffers for every relayed token (frames, lines, SSE chunks),
+/// where glibc's malloc took a sixth of the router's CPU at 1,000 streams
+/// (docs/benchmarks.md).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> anyhow::Result<()> {
     let mut args = Args::parse();
     pdserve_runtime::telemetry::init(&args.telemetry, "pdserve-router");

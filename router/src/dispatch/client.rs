@@ -5,9 +5,8 @@ use std::time::Duration;
 
 use crate::config::{DispatchConfig, WorkerProtocol};
 
-/// The router's receive window on one worker connection: room for the
-/// small DATA frames of about 100,000 streams' tokens waiting to be read.
-const H2_CONNECTION_WINDOW: u32 = 64 << 20;
+use pdserve_runtime::shutdown::H2_CONNECTION_WINDOW;
+
 /// A stream's own window: far above one stream's burst of lines.
 const H2_STREAM_WINDOW: u32 = 2 << 20;
 
@@ -25,10 +24,8 @@ pub(super) fn worker_client(
         WorkerProtocol::Http1 => client.http1_only(),
         // Pings keep an idle multiplexed connection's failure from
         // surfacing only on the next request. The connection window is
-        // large and fixed: h2 lets unread small DATA frames (one token
-        // each) use up to half of it before it closes the connection as
-        // a flood, and a decode step sends one to every stream at once;
-        // an adaptive window starts at 64 KiB and broke at about 150.
+        // large and fixed (see `H2_CONNECTION_WINDOW`): an adaptive window
+        // starts at 64 KiB and broke at about 150 streams.
         WorkerProtocol::Http2 => client
             .http2_prior_knowledge()
             .http2_keep_alive_interval(Duration::from_secs(10))

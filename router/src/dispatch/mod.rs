@@ -393,6 +393,7 @@ impl Dispatcher {
             }
             Ok(Err(e)) => {
                 self.registry.mark_down(base);
+                let e = pdserve_runtime::net::error_chain(&e);
                 return Err(self.upstream(pool, format!("{base}: {e}")));
             }
             Err(_) => return Err(self.upstream(pool, format!("{base} did not answer"))),

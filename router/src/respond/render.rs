@@ -8,6 +8,7 @@ use pdserve_protocol::openai::{
     UsageField,
 };
 use pdserve_text::Tokenizer;
+use serde::Serialize;
 use serde_json::Value;
 
 use super::choice::{token_text, TokenLp};
@@ -32,6 +33,15 @@ pub struct Header {
     pub include_usage: bool,
     /// Whether tool calls are parsed out of the text (chat with tools).
     pub parse_calls: bool,
+}
+
+/// One chunk of a stream, serialized straight from its typed shape (no
+/// intermediate `Value`: a chunk goes out for every token).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum Chunk {
+    Chat(ChatCompletionChunk),
+    Completion(Completion),
 }
 
 /// What one choice produced, for the non-streaming object.
@@ -171,10 +181,10 @@ impl Header {
         tokens: &[TokenLp],
         finish_reason: Option<&str>,
         text_offset: u32,
-    ) -> Value {
+    ) -> Chunk {
         let finish_reason = finish_reason.map(str::to_string);
-        let value = match self.format {
-            Format::Chat => serde_json::to_value(self.chat_chunk(
+        match self.format {
+            Format::Chat => Chunk::Chat(self.chat_chunk(
                 vec![ChatChunkChoice {
                     index,
                     logprobs: matches!(self.logprobs, LogprobMode::Chat(_))
@@ -184,7 +194,7 @@ impl Header {
                 }],
                 self.usage_field(),
             )),
-            Format::Completion => serde_json::to_value(self.completion(
+            Format::Completion => Chunk::Completion(self.completion(
                 vec![CompletionChoice {
                     index,
                     text: delta.content.unwrap_or_default(),
@@ -194,8 +204,7 @@ impl Header {
                 }],
                 self.usage_field(),
             )),
-        };
-        value.unwrap_or(Value::Null)
+        }
     }
 
     /// A completion stream's echo chunk, with the prompt's logprobs when
@@ -206,7 +215,7 @@ impl Header {
         index: u32,
         echo: String,
         prompt: Option<&PromptLps>,
-    ) -> Value {
+    ) -> Chunk {
         let logprobs = matches!(self.logprobs, LogprobMode::Completion(_))
             .then(|| completion_logprobs(tok, prompt, &[], 0));
         let choice = CompletionChoice {
@@ -215,19 +224,17 @@ impl Header {
             logprobs,
             finish_reason: None,
         };
-        serde_json::to_value(self.completion(vec![choice], self.usage_field()))
-            .unwrap_or(Value::Null)
+        Chunk::Completion(self.completion(vec![choice], self.usage_field()))
     }
 
     /// The last chunk of a stream with `include_usage`: no choices, the totals.
-    pub fn usage_chunk(&self, usage: Usage) -> Value {
-        let value = match self.format {
-            Format::Chat => serde_json::to_value(self.chat_chunk(vec![], UsageField::Some(usage))),
+    pub fn usage_chunk(&self, usage: Usage) -> Chunk {
+        match self.format {
+            Format::Chat => Chunk::Chat(self.chat_chunk(vec![], UsageField::Some(usage))),
             Format::Completion => {
-                serde_json::to_value(self.completion(vec![], UsageField::Some(usage)))
+                Chunk::Completion(self.completion(vec![], UsageField::Some(usage)))
             }
-        };
-        value.unwrap_or(Value::Null)
+        }
     }
 
     fn chat_chunk(&self, choices: Vec<ChatChunkChoice>, usage: UsageField) -> ChatCompletionChunk {

@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::stream::{self, select_all, BoxStream, StreamExt};
 use pdserve_protocol::openai::{Delta, FunctionCallDelta, ToolCallDelta, Usage};
-use serde_json::Value;
+use serde::Serialize;
 
 use super::choice::{Choice, Update};
 use super::render::{finish_with_calls, Format, PromptLps};
@@ -89,9 +89,13 @@ struct SseWriter {
     ttft: bool,
 }
 
-fn sse(value: &Value, out: &mut Vec<u8>) {
+fn sse(value: &impl Serialize, out: &mut Vec<u8>) {
     out.extend_from_slice(b"data: ");
-    out.extend_from_slice(value.to_string().as_bytes());
+    let start = out.len();
+    if serde_json::to_writer(&mut *out, value).is_err() {
+        out.truncate(start);
+        out.extend_from_slice(b"null");
+    }
     out.extend_from_slice(b"\n\n");
 }
 
@@ -233,10 +237,7 @@ impl SseWriter {
         tracing::warn!(request_id = %self.ctx.header.id, "stream failed: {e}");
         self.ctx.request.fail(&e);
         let mut out = Vec::new();
-        sse(
-            &serde_json::to_value(e.body()).unwrap_or(Value::Null),
-            &mut out,
-        );
+        sse(&e.body(), &mut out);
         out.extend_from_slice(b"data: [DONE]\n\n");
         Bytes::from(out)
     }

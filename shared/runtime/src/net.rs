@@ -155,6 +155,22 @@ pub fn is_fd_exhaustion(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// An error with its causes, `outer: inner: root`: reqwest's own message
+/// ("error sending request") says nothing of what failed underneath.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(err) = cur {
+        let s = err.to_string();
+        if !out.ends_with(&s) {
+            out.push_str(": ");
+            out.push_str(&s);
+        }
+        cur = err.source();
+    }
+    out
+}
+
 /// How long an internal client keeps an idle pooled connection. Short, so
 /// that after a burst the connections (and their file descriptors) on both
 /// ends go back to their baseline within seconds, not minutes.
@@ -163,6 +179,31 @@ pub const POOL_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_sec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_chain_names_every_cause_once() {
+        let root = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let outer = std::io::Error::other(root);
+        // io::Error::other(root) displays as the root: said once.
+        assert_eq!(error_chain(&outer), "reset by peer");
+        #[derive(Debug)]
+        struct Sending(std::io::Error);
+        impl std::fmt::Display for Sending {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("error sending request")
+            }
+        }
+        impl std::error::Error for Sending {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let e = Sending(std::io::Error::new(
+            std::io::ErrorKind::BrokenPipe,
+            "broken pipe",
+        ));
+        assert_eq!(error_chain(&e), "error sending request: broken pipe");
+    }
 
     #[test]
     fn worker_urls_are_absolute_http_with_host_and_port() {

@@ -81,6 +81,16 @@ pub struct Drain {
 /// would queue the rest behind them.
 pub const MAX_H2_STREAMS: u32 = 1 << 16;
 
+/// The receive window of one HTTP/2 connection, on both ends of a
+/// router-to-worker connection. Fixed and large because h2 closes a
+/// connection as a flood (`GOAWAY ENHANCE_YOUR_CALM`, "too_many_data_frames")
+/// once small DATA frames it has received but the application has not read
+/// use up half of it: a decode step sends one token line to every stream at
+/// once, and a burst of new requests sends thousands of small bodies. With
+/// hyper's 1 MiB default a worker closed the router's connection at about
+/// 2,000 requests arriving together.
+pub const H2_CONNECTION_WINDOW: u32 = 64 << 20;
+
 /// Serves `app` until `token` is cancelled, then drains: stops accepting
 /// work, keeps serving until nothing is in flight (so peers can still
 /// deliver KV and streams can finish), then closes. Whatever is still open
@@ -101,7 +111,10 @@ pub async fn serve(
 
     let deadline = drain.deadline;
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http2().max_concurrent_streams(MAX_H2_STREAMS);
+    builder
+        .http2()
+        .max_concurrent_streams(MAX_H2_STREAMS)
+        .initial_connection_window_size(H2_CONNECTION_WINDOW);
     let graceful = GracefulShutdown::new();
     let run = async {
         let stop = drained(token.clone(), drain);

@@ -4,12 +4,12 @@ use clap::Args;
 
 use tracing::field::{Field, Visit};
 use tracing_subscriber::field::RecordFields;
-use tracing_subscriber::filter::{filter_fn, EnvFilter, FilterExt, Targets};
+use tracing_subscriber::filter::{filter_fn, EnvFilter, FilterExt, LevelFilter, Targets};
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FormatFields, FormattedFields};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
-use tracing_subscriber::Layer;
+use tracing_subscriber::{Layer, Registry};
 
 use crate::otel;
 
@@ -38,6 +38,19 @@ pub struct TelemetryArgs {
 /// `service` names the process in its spans unless `--otlp-service-name`
 /// does.
 pub fn init(args: &TelemetryArgs, service: &str) {
+    let _ = tracing_subscriber::registry()
+        .with(layers(args, service))
+        .try_init();
+}
+
+type Layers = Vec<Box<dyn Layer<Registry> + Send + Sync>>;
+
+/// The log layer, and the trace layer when tracing is on. Each filters
+/// alone, and a callsite no layer wants (h2's and hyper's per-frame
+/// `trace` spans, say) is disabled outright: every layer's filter carries a
+/// level hint, and an absent trace layer is left out, not a `None` (which
+/// tracing-subscriber treats as enabling everything).
+fn layers(args: &TelemetryArgs, service: &str) -> Layers {
     let filter = EnvFilter::try_new(&args.log).unwrap_or_else(|_| EnvFilter::new("info"));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let fmt = tracing_subscriber::fmt::layer()
@@ -49,17 +62,16 @@ pub fn init(args: &TelemetryArgs, service: &str) {
         false => fmt.fmt_fields(LogFields).boxed(),
     };
     // Span events (`first_token`) are for traces only.
-    let not_span_events = filter_fn(|m| !(m.is_event() && m.target() == otel::TARGET));
-    // Trace spans are made whatever the log level; each layer filters alone.
-    let spans = args.otlp_endpoint.as_deref().map(|endpoint| {
+    let not_span_events = filter_fn(|m| !(m.is_event() && m.target() == otel::TARGET))
+        .with_max_level_hint(LevelFilter::TRACE);
+    let mut layers: Layers = vec![fmt.with_filter(filter.and(not_span_events)).boxed()];
+    // Trace spans are made whatever the log level.
+    if let Some(endpoint) = args.otlp_endpoint.as_deref() {
         let name = args.otlp_service_name.as_deref().unwrap_or(service);
-        otel::layer(endpoint, name)
-            .with_filter(Targets::new().with_target(otel::TARGET, tracing::Level::TRACE))
-    });
-    let _ = tracing_subscriber::registry()
-        .with(fmt.with_filter(filter.and(not_span_events)))
-        .with(spans)
-        .try_init();
+        let spans = Targets::new().with_target(otel::TARGET, tracing::Level::TRACE);
+        layers.push(otel::layer(endpoint, name).with_filter(spans).boxed());
+    }
+    layers
 }
 
 /// Text logs: a trace span's fields are its exported attributes; a log line
@@ -123,5 +135,46 @@ impl<'w> FormatFields<'w> for LogFields {
             current.fields.push_str(&more);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tracing_subscriber::layer::SubscriberExt;
+
+    fn args(log: &str, otlp: Option<&str>) -> TelemetryArgs {
+        TelemetryArgs {
+            log: log.into(),
+            log_json: false,
+            otlp_endpoint: otlp.map(str::to_string),
+            otlp_service_name: None,
+        }
+    }
+
+    /// Spans below the log level (h2 makes one per frame) cost nothing:
+    /// they are disabled, not made and then ignored by every layer.
+    #[test]
+    fn spans_no_layer_wants_are_disabled() {
+        let subscriber = tracing_subscriber::registry().with(layers(&args("info", None), "t"));
+        tracing::subscriber::with_default(subscriber, || {
+            assert!(tracing::trace_span!(target: "h2::codec", "decode_frame").is_disabled());
+            assert!(tracing::debug_span!("below the level").is_disabled());
+            assert!(!tracing::info_span!("at the level").is_disabled());
+        });
+    }
+
+    #[test]
+    fn trace_spans_are_made_whatever_the_log_level_when_tracing_is_on() {
+        let on = args("warn", Some("http://127.0.0.1:9/v1/traces"));
+        let subscriber = tracing_subscriber::registry().with(layers(&on, "t"));
+        tracing::subscriber::with_default(subscriber, || {
+            assert!(!tracing::trace_span!(target: otel::TARGET, "request").is_disabled());
+            assert!(tracing::trace_span!(target: "h2::codec", "decode_frame").is_disabled());
+        });
+        let subscriber = tracing_subscriber::registry().with(layers(&args("warn", None), "t"));
+        tracing::subscriber::with_default(subscriber, || {
+            assert!(tracing::info_span!(target: otel::TARGET, "request").is_disabled());
+        });
     }
 }
