@@ -129,6 +129,11 @@ pub struct Args {
     /// Milliseconds between health polls of static and DNS workers.
     #[arg(long, env = "PDSERVE_HEALTH_INTERVAL_MS", default_value_t = 1000)]
     pub health_interval_ms: u64,
+    /// Milliseconds a health poll may take before it counts as failed (a
+    /// worker is down after 3 failed polls in a row). Longer than the
+    /// interval: a busy worker's answer waits behind its own work.
+    #[arg(long, env = "PDSERVE_HEALTH_TIMEOUT_MS", default_value_t = 5000)]
+    pub health_timeout_ms: u64,
     /// A worker not heard from (heartbeat or poll) for this long is removed.
     #[arg(long, env = "PDSERVE_WORKER_TIMEOUT_MS", default_value_t = 5000)]
     pub worker_timeout_ms: u64,

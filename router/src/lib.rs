@@ -112,6 +112,7 @@ pub fn discovery_config(args: &Args) -> discovery::DiscoveryConfig {
         decode_dns: args.decode_dns.clone(),
         dns_refresh: Duration::from_secs(args.dns_refresh_seconds),
         health_interval: Duration::from_millis(args.health_interval_ms),
+        health_timeout: Duration::from_millis(args.health_timeout_ms),
         worker_timeout: Duration::from_millis(args.worker_timeout_ms),
     }
 }

@@ -324,21 +324,22 @@ impl Registry {
             .collect()
     }
 
-    /// Forgets registered workers silent for longer than `timeout`, and marks
-    /// silent polled workers down.
-    pub fn expire(&self, timeout: Duration) {
+    /// Forgets registered workers silent for longer than `timeout`, and
+    /// takes polled workers silent for longer than `polled` out of
+    /// placement (a report brings them back).
+    pub fn expire(&self, timeout: Duration, polled: Duration) {
         let now = Instant::now();
         let mut map = self.lock();
         let mut expired = self.expired();
         expired.retain(|_, at| now.duration_since(*at) < LOST_FOR);
         map.retain(|url, e| {
-            let silent = now.duration_since(e.last_seen) > timeout;
-            if silent && e.source == Source::Registered {
+            let silent_for = now.duration_since(e.last_seen);
+            if e.source == Source::Registered && silent_for > timeout {
                 tracing::warn!(%url, "worker stopped heartbeating: removed");
                 expired.insert(url.clone(), now);
                 return false;
             }
-            if silent {
+            if e.source != Source::Registered && silent_for > polled {
                 e.health = Health::Down;
             }
             true

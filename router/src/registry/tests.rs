@@ -92,11 +92,24 @@ fn silent_registered_workers_expire_and_static_ones_go_down() {
     r.register(&reg(Pool::Decode, "http://d1", 1)).unwrap();
     r.add_static(Pool::Decode, "http://d2/");
     r.record_load("http://d2", ready(0));
-    r.expire(Duration::ZERO);
+    r.expire(Duration::ZERO, Duration::ZERO);
     std::thread::sleep(Duration::from_millis(2));
-    r.expire(Duration::from_millis(1));
+    r.expire(Duration::from_millis(1), Duration::from_millis(1));
     assert_eq!(r.pollable(), vec!["http://d2".to_string()]);
     assert_eq!(r.counts(Pool::Decode)[3], (Health::Down, 1));
+}
+
+#[test]
+fn polled_workers_have_their_own_silence_limit() {
+    let r = Registry::default();
+    r.add_static(Pool::Decode, "http://d");
+    r.record_load("http://d", ready(0));
+    std::thread::sleep(Duration::from_millis(2));
+    // Silent past the heartbeat limit, within the polled one: still in.
+    r.expire(Duration::from_millis(1), Duration::from_secs(3600));
+    assert_eq!(r.candidates(Pool::Decode, None).len(), 1);
+    r.expire(Duration::from_secs(3600), Duration::from_millis(1));
+    assert!(r.candidates(Pool::Decode, None).is_empty());
 }
 
 #[test]
@@ -246,7 +259,7 @@ fn a_worker_is_lost_when_down_or_expired_but_not_when_it_deregisters() {
     assert!(!r.heard_within("http://d2", Duration::from_secs(5)));
     // One that stops heartbeating is removed, and lost...
     std::thread::sleep(Duration::from_millis(5));
-    r.expire(Duration::from_millis(1));
+    r.expire(Duration::from_millis(1), Duration::from_millis(1));
     assert!(r.is_lost("http://d3"));
     assert!(!r.heard_within("http://d3", Duration::from_secs(5)));
     // ...until it registers again.
