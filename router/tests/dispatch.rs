@@ -106,8 +106,14 @@ async fn burst_spills(spill: &str, n: usize) -> f64 {
         ..Default::default()
     })
     .await;
-    let prompt = "many words here ".repeat(25);
-    let calls = (0..n).map(|_| text(&c.url, &prompt, json!({"max_tokens": 2})));
+    // Each prompt its own: a prompt the decode worker has already cached
+    // would be prefilled there as a short one, neither spilled nor sent.
+    let prompts: Vec<String> = (0..n)
+        .map(|i| format!("prompt {i}: {}", "many words here ".repeat(25)))
+        .collect();
+    let calls = prompts
+        .iter()
+        .map(|p| text(&c.url, p, json!({"max_tokens": 2})));
     futures_util::future::join_all(calls).await;
     let m = metrics(&c.url).await;
     let spilled = metric(&m, "pdserve_local_prefills_total{reason=\"spill\"}");
