@@ -195,11 +195,12 @@ fn poll_each(
         let (polling, round) = (polling.clone(), round.clone());
         tokio::spawn(async move {
             let poll = fetch_load(&client, &url, timeout).await;
+            round.answer(&registry, url.clone(), poll);
+            // Only now may the next poll go out, so answers land in order.
             polling
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&url);
-            round.answer(&registry, url, poll);
         });
     }
     round

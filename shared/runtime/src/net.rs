@@ -143,30 +143,29 @@ pub fn raise_nofile_limit() -> std::io::Result<u64> {
 /// Whether an I/O error is this process running out of file descriptors
 /// (EMFILE/ENFILE): not a sign that the peer is down.
 pub fn is_fd_exhaustion(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = cur {
-        if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            if matches!(io.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) {
-                return true;
-            }
-        }
-        cur = err.source();
-    }
-    false
+    causes(e).any(|err| {
+        err.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| matches!(io.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)))
+    })
+}
+
+/// An error and its causes, outermost first.
+fn causes<'a>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(e), |err| err.source())
 }
 
 /// An error with its causes, `outer: inner: root`: reqwest's own message
 /// ("error sending request") says nothing of what failed underneath.
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(err) = cur {
+    for err in causes(e).skip(1) {
         let s = err.to_string();
         if !out.ends_with(&s) {
             out.push_str(": ");
             out.push_str(&s);
         }
-        cur = err.source();
     }
     out
 }
