@@ -307,7 +307,7 @@ async fn detokenize(
 }
 
 async fn ready(State(s): State<Arc<AppState>>) -> StatusCode {
-    match s.admission.is_accepting() && s.registry.has_ready(Pool::Decode) {
+    match s.admission.is_accepting() && s.dispatcher.can_serve() {
         true => StatusCode::OK,
         false => StatusCode::SERVICE_UNAVAILABLE,
     }

@@ -58,6 +58,14 @@ impl Rule {
         }
     }
 
+    /// Whether a request can be placed at all: a decode worker is ready
+    /// and, in `disaggregated` mode, a prefill worker too (`auto` prefills
+    /// on the decode worker while the prefill pool is empty).
+    pub fn can_serve(&self, registry: &Registry) -> bool {
+        registry.has_ready(Pool::Decode)
+            && (self.mode != Mode::Disaggregated || registry.has_ready(Pool::Prefill))
+    }
+
     /// Whether the prefill pool is backed up past the threshold and `w`
     /// has less prefill work waiting than its least-loaded worker.
     fn spills(&self, registry: &Registry, w: &WorkerView) -> bool {
@@ -72,6 +80,13 @@ impl Rule {
         let pool_pending = least + registry.held_prefill() / ready as u64;
         let local_pending = w.load.queued_tokens + w.assigned_prefill_tokens;
         spills(limit, pool_pending, local_pending)
+    }
+}
+
+impl super::Dispatcher {
+    /// What `/ready` reports: whether a request could be placed now.
+    pub fn can_serve(&self) -> bool {
+        self.placement_rule().can_serve(&self.registry)
     }
 }
 
@@ -175,5 +190,32 @@ mod tests {
             agg.place(&r, &w, 128).unwrap(),
             Placement::Local(labels::LOCAL_PREFILL_MODE)
         );
+    }
+
+    #[test]
+    fn a_disaggregated_router_cannot_serve_without_a_prefill_worker() {
+        let r = Registry::default();
+        r.register(&WorkerRegistration {
+            url: "http://d".into(),
+            pool: Pool::Decode,
+            model_fingerprint: 1,
+            weights: "native".into(),
+            worker_id: None,
+        })
+        .unwrap();
+        let dis = rule(Mode::Disaggregated, Spill::Off);
+        assert!(!dis.can_serve(&r), "no worker has answered a poll yet");
+        r.record_load(
+            "http://d",
+            LoadReport {
+                ready: true,
+                report_seq: 1,
+                ..Default::default()
+            },
+        );
+        assert!(!dis.can_serve(&r), "the prefill pool is empty");
+        assert!(rule(Mode::Auto, Spill::Off).can_serve(&r));
+        assert!(rule(Mode::Aggregated, Spill::Off).can_serve(&r));
+        assert!(dis.can_serve(&registry_with(0)));
     }
 }
