@@ -25,11 +25,14 @@ def run(decode, prefill, rid, prompt, max_tokens, timeout):
     stream = post(f"{decode}/v1/internal/generate", {
         "request_id": rid, "prompt_tokens": prompt, "sampling": sampling,
         "kv_source": {"kind": "remote", "lease_ms": timeout * 1000}}, timeout)
-    kv_url = json.loads(stream.readline())["kv_url"]
+    reserved = json.loads(stream.readline())
     start = time.time()
+    # As the router does: the KV stream starts after what the decode worker
+    # already holds in its prefix cache.
     answer = post(f"{prefill}/v1/internal/prefill", {
         "request_id": rid, "prompt_tokens": prompt, "sampling": sampling,
-        "kv_destination": kv_url, "deadline_ms": timeout * 1000}, timeout)
+        "kv_destination": reserved["kv_url"], "deadline_ms": timeout * 1000,
+        "cached_tokens": reserved.get("cached_tokens", 0)}, timeout)
     lines = [json.loads(l) for l in answer.read().decode().splitlines() if l.strip()]
     wall = time.time() - start
     stream.read()

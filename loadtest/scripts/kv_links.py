@@ -19,13 +19,15 @@ import kv_job
 DECODE, PREFILL, LABEL = sys.argv[1], sys.argv[2], sys.argv[3]
 REPEATS = int(sys.argv[4])
 LENGTHS = [int(n) for n in sys.argv[5:]]
-rng = random.Random(int(time.time()))
+rng = random.Random(time.time_ns())
 
 
 def job(n):
     rid = f"links-{n}-{time.time_ns()}"
     prompt = [rng.randrange(100, 40000) for _ in range(n)]
     res, wall = kv_job.run(DECODE, PREFILL, rid, prompt, 2, 120)
+    if "compute_seconds" not in res:
+        sys.exit(f"{LABEL}: the {n}-token job failed: {res}")
     return res["compute_seconds"], wall, res["transfer_bytes"]
 
 

@@ -8,12 +8,14 @@
 #   sudo loadtest/scripts/kv_links.sh            # the whole table
 #   LINKS="10g 1g" DTYPES=f16 LENGTHS="512" REPEATS=3 loadtest/scripts/kv_links.sh
 #
-# Links: 10g and 1g (rate, 0.5 ms RTT), 1g-lossy (also 1% of packets to the
-# decode worker dropped), 100m (where a CPU prefill outruns the link),
-# loopback (no shaping). The RTT and the loss use
-# netem where the kernel has it; without netem the rate is shaped with tbf,
-# the loss with an iptables `statistic` rule, and the RTT is left out (the
-# script says so).
+# Links: 10g and 1g (rate, RTT_MS round trip, 0.5 ms by default), 1g-lossy
+# (also 1% of packets dropped each way), 100m (where a CPU prefill outruns
+# the link), loopback (the veth, unshaped). Shaped links use netem on the
+# veth where the kernel has it. Without netem the two workers' addresses move
+# to a pair of TUN devices joined by `pdserve-loadtest link`, which adds the
+# same rate, delay and loss in user space; the script says which it used.
+# After each link it prints (on stderr) the KV connection's smoothed RTT as
+# the kernel measured it, and the emulator's own lateness.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BIN="${PDSERVE_BIN:-$ROOT/target/release}"
@@ -23,14 +25,28 @@ DTYPES="${DTYPES:-f32 f16}"
 LENGTHS="${LENGTHS:-128 256 512 1024 2048}"
 REPEATS="${REPEATS:-3}"
 THREADS="${THREADS:-1}"
+RTT_MS="${RTT_MS:-0.5}"
+HALF_RTT_MS="$(awk -v r="$RTT_MS" 'BEGIN { print r / 2 }')"
 P=pdkv-prefill; D=pdkv-decode; PA=10.77.0.1; DA=10.77.0.2
 export PDSERVE_INTERNAL_TOKEN="${PDSERVE_INTERNAL_TOKEN:-kv-links-$RANDOM$RANDOM}"
 pids=()
+link_pid=""
+LINK_LOG="$(mktemp)"
 cleanup() {
+    stop_link
     kill -TERM "${pids[@]}" 2>/dev/null || true
     wait 2>/dev/null || true
     ip netns del "$P" 2>/dev/null || true
     ip netns del "$D" 2>/dev/null || true
+    rm -f "$LINK_LOG"
+}
+# stop_link: the user-space link, if one runs; its report goes to stderr.
+stop_link() {
+    [ -n "$link_pid" ] || return 0
+    kill -TERM "$link_pid" 2>/dev/null || true
+    wait "$link_pid" 2>/dev/null || true
+    link_pid=""
+    grep '^link ' "$LINK_LOG" | grep -v 'link ready' >&2 || true
 }
 trap cleanup EXIT
 cleanup
@@ -43,37 +59,64 @@ ip -n "$P" link set pdkv-p up; ip -n "$D" link set pdkv-d up
 has_netem=1
 ip netns exec "$P" tc qdisc add dev pdkv-p root netem delay 0ms 2>/dev/null || has_netem=0
 ip netns exec "$P" tc qdisc del dev pdkv-p root 2>/dev/null || true
-[ "$has_netem" = 1 ] || echo "note: no netem in this kernel: rates shaped with tbf, loss by iptables, no added RTT" >&2
+if [ "$has_netem" = 0 ]; then
+    echo "note: no netem in this kernel: shaped links run through pdserve-loadtest link (TUN devices, user space)" >&2
+    ip netns exec "$P" ip tuntap add dev pdkv-tp mode tun vnet_hdr
+    ip netns exec "$D" ip tuntap add dev pdkv-td mode tun vnet_hdr
+    ip -n "$P" link set pdkv-tp up; ip -n "$D" link set pdkv-td up
+fi
 
-# shape LINK: both directions of the veth.
+# route_via veth|tun: the two workers' addresses on that pair of devices.
+# Connections survive the move: their addresses do not change.
+route_via() {
+    local on_p=pdkv-p on_d=pdkv-d off_p=pdkv-tp off_d=pdkv-td
+    if [ "$1" = tun ]; then on_p=pdkv-tp; on_d=pdkv-td; off_p=pdkv-p; off_d=pdkv-d; fi
+    ip -n "$P" addr flush dev "$off_p"; ip -n "$D" addr flush dev "$off_d"
+    ip -n "$P" addr replace "$PA/24" dev "$on_p"; ip -n "$D" addr replace "$DA/24" dev "$on_d"
+}
+
+# shape LINK: both directions.
 shape() {
-    local rate="" loss=""
+    local mbit="" loss=0
     case "$1" in
         loopback) ;;
-        10g) rate=10gbit ;;
-        1g) rate=1gbit ;;
-        1g-lossy) rate=1gbit; loss=1 ;;
-        100m) rate=100mbit ;;
+        10g) mbit=10000 ;;
+        1g) mbit=1000 ;;
+        1g-lossy) mbit=1000; loss=1 ;;
+        100m) mbit=100 ;;
         *) echo "unknown link $1" >&2; exit 2 ;;
     esac
+    stop_link
     for side in "$P pdkv-p" "$D pdkv-d"; do
         set -- $side
         ip netns exec "$1" tc qdisc del dev "$2" root 2>/dev/null || true
-        [ -z "$rate" ] && continue
-        if [ "$has_netem" = 1 ]; then
-            # 0.25 ms each way: 0.5 ms RTT.
-            ip netns exec "$1" tc qdisc add dev "$2" root netem delay 0.25ms rate "$rate" \
-                ${loss:+loss ${loss}%}
-        else
-            local burst=256kb; [ "$rate" = 10gbit ] && burst=4mb; [ "$rate" = 100mbit ] && burst=64kb
-            ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$rate" burst "$burst" latency 20ms
+        if [ -n "$mbit" ] && [ "$has_netem" = 1 ]; then
+            ip netns exec "$1" tc qdisc add dev "$2" root netem delay "${HALF_RTT_MS}ms" \
+                rate "${mbit}mbit" loss "${loss}%"
         fi
     done
-    ip netns exec "$D" iptables -F INPUT 2>/dev/null || true
-    if [ -n "$loss" ] && [ "$has_netem" = 0 ]; then
-        ip netns exec "$D" iptables -A INPUT -i pdkv-d -m statistic --mode random \
-            --probability "0.0$loss" -j DROP
-    fi
+    [ "$has_netem" = 1 ] && return
+    if [ -z "$mbit" ]; then route_via veth; return; fi
+    route_via tun
+    "$BIN/pdserve-loadtest" link --ns-a "$P" --dev-a pdkv-tp --ns-b "$D" --dev-b pdkv-td \
+        --delay-ms "$HALF_RTT_MS" --rate-mbit "$mbit" --loss "$loss" 2> "$LINK_LOG" &
+    link_pid=$!
+    for _ in $(seq 1 100); do
+        grep -q 'link ready' "$LINK_LOG" && return
+        kill -0 "$link_pid" 2>/dev/null || break
+        sleep 0.05
+    done
+    cat "$LINK_LOG" >&2; echo "the user-space link did not start" >&2; exit 1
+}
+
+# report_rtt LABEL: the kernel's smoothed RTT (and its mean deviation, in ms)
+# of the prefill worker's connections to the decode worker.
+report_rtt() {
+    local rtts
+    rtts="$(ip netns exec "$P" ss -tinpH state established dst "$DA" | awk '
+        /pdserve-prefill/ { mine = 1; next }
+        mine { for (i = 1; i <= NF; i++) if ($i ~ /^(rtt|minrtt):/) printf "%s ", $i; mine = 0 }')"
+    echo "$1: the KV connection's ${rtts:-rtt: none open}" >&2
 }
 
 start_workers() {
@@ -91,12 +134,16 @@ start_workers() {
 
 echo "| link / wire | prompt | KV sent | compute | wall | tail | tail / wall |"
 echo "| --- | --- | --- | --- | --- | --- | --- |"
+# Fresh workers for every link, so that each link's TCP connections (their
+# congestion state and minimum RTT) start on it.
 for dtype in $DTYPES; do
-    start_workers "$dtype"
     for link in $LINKS; do
         shape "$link"
+        start_workers "$dtype"
         ip netns exec "$P" python3 "$ROOT/loadtest/scripts/kv_links.py" \
             "http://$DA:8211" "http://$PA:8111" "$link $dtype" "$REPEATS" $LENGTHS
+        report_rtt "$link $dtype"
+        kill -TERM "${pids[@]}" 2>/dev/null || true; wait "${pids[@]}" 2>/dev/null || true; pids=()
     done
-    kill -TERM "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; pids=()
+    stop_link
 done

@@ -5,6 +5,8 @@ mod batch_bench;
 mod chaos;
 mod engine_bench;
 mod kv_bench;
+#[cfg(target_os = "linux")]
+mod link;
 mod plan;
 mod run;
 mod simulate;
@@ -37,6 +39,10 @@ enum Command {
     /// Search pool sizes (and chunk, batch cap, local-prefill threshold) for
     /// the cheapest simulated cluster that meets the SLOs at a load.
     Plan(Box<plan::PlanArgs>),
+    /// Emulate a network link between two namespaces in user space (delay,
+    /// rate, loss), for kernels without netem.
+    #[cfg(target_os = "linux")]
+    Link(link::LinkArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -58,5 +64,7 @@ fn main() -> anyhow::Result<()> {
         Command::PrefillBatch(args) => batch_bench::run(args),
         Command::Simulate(args) => simulate::run(*args).map(|_| ()),
         Command::Plan(args) => plan::run(*args).map(|_| ()),
+        #[cfg(target_os = "linux")]
+        Command::Link(args) => link::run(args),
     }
 }
