@@ -196,8 +196,10 @@ fn receive(mut from: File, mut shaper: Shaper, queue: Arc<Queue>, counters: Arc<
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => {
-                eprintln!("link: reading a TUN device: {e}");
-                return;
+                // The device (or its namespace) is gone: the link is down,
+                // and an emulator with one direction dead must not linger.
+                eprintln!("link: reading a TUN device failed, stopping: {e}");
+                std::process::exit(1);
             }
         };
         let now = Instant::now();
