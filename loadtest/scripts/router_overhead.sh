@@ -26,6 +26,10 @@
 # the end of its stream, logged by the worker as `generate stream closed`),
 # paired by request id. What is left is the router (tokenizing, templating,
 # placement, the prefill call, relaying every token as SSE) plus loopback.
+# The router's own view of it is printed too: its span of each request (from
+# the handler's start to the `[DONE]` chunk handed to the connection, logged
+# as `request served`) minus the same decode worker span; this leaves out
+# the client's hops and the load generator's own time.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BIN="${PDSERVE_BIN:-$ROOT/target/release}"
@@ -55,7 +59,8 @@ fi
 "${on_router[@]}" "$BIN/pdserve-router" --model "$MODEL" --port $R --mode disaggregated \
     --prefill-url "http://127.0.0.1:$P" --decode-url "http://127.0.0.1:$D" \
     --worker-protocol "${WORKER_PROTOCOL:-http2}" \
-    --max-concurrent-requests 100000 --log "${ROUTER_LOG:-warn}" & ROUTER=$!; pids+=($ROUTER)
+    --max-concurrent-requests 100000 --log "${ROUTER_LOG:-warn},pdserve_router::request=debug" \
+    2>"$OUT/router.log" & ROUTER=$!; pids+=($ROUTER)
 for _ in $(seq 1 120); do
     curl -sf "http://127.0.0.1:$R/ready" >/dev/null && break
     sleep 0.25
@@ -86,27 +91,46 @@ awk -v l="$load_cpu" -v d="$((d_after - d_before))" -v p="$((p_after - p_before)
     'BEGIN { printf "others: load generator %.0f%%, decode mock %.0f%%, prefill mock %.0f%% of one core\n", 100*l/t/(e-s), 100*d/t/(e-s), 100*p/t/(e-s) }'
 grep -E "VmHWM|VmRSS" "/proc/$ROUTER/status"
 echo "router open descriptors, peak: $(cat "$OUT/fds" 2>/dev/null || echo ?)"
-python3 - "$OUT/run.json" "$OUT/decode.log" <<'PY'
+grep -v "request served" "$OUT/router.log" >&2 || true
+python3 - "$OUT/run.json" "$OUT/decode.log" "$OUT/router.log" <<'PY'
 import json, re, sys
 run = json.load(open(sys.argv[1]))
-spans = {}
-for line in open(sys.argv[2], errors="replace"):
-    m = re.search(r'request_id=(\S+) elapsed_us=(\d+)', line)
-    if m:
-        spans[m.group(1)] = int(m.group(2)) / 1e3
-added = []
+
+
+def spans(path):
+    out = {}
+    for line in open(path, errors="replace"):
+        m = re.search(r'request_id=(\S+) elapsed_us=(\d+)', line)
+        if m:
+            out[m.group(1)] = int(m.group(2)) / 1e3
+    return out
+
+
+decode, router = spans(sys.argv[2]), spans(sys.argv[3])
+client_added, router_added = [], []
 for point in run.get("points", [run]):
     for t in point.get("targets", []):
         for r in t.get("records", []):
             if r.get("error") or r.get("warmup") or not r.get("id"):
                 continue
-            span = spans.get(r["id"] + "-0")
-            if span is not None:
-                added.append(r["e2e"] * 1e3 - span)
-if not added:
+            span = decode.get(r["id"] + "-0")
+            if span is None:
+                continue
+            client_added.append(r["e2e"] * 1e3 - span)
+            if r["id"] in router:
+                router_added.append(router[r["id"]] - span)
+if not client_added:
     sys.exit("no request paired with the decode worker's log")
-added.sort()
-pct = lambda q: added[min(len(added) - 1, int(q * len(added)))]
-print(f"added latency (client E2E - decode worker span), {len(added)} requests: "
-      f"p50 {pct(0.5):.2f} ms, p90 {pct(0.9):.2f} ms, p99 {pct(0.99):.2f} ms, max {added[-1]:.2f} ms")
+
+
+def show(label, added):
+    added.sort()
+    pct = lambda q: added[min(len(added) - 1, int(q * len(added)))]
+    print(f"added latency ({label}), {len(added)} requests: p50 {pct(0.5):.2f} ms, "
+          f"p90 {pct(0.9):.2f} ms, p99 {pct(0.99):.2f} ms, max {added[-1]:.2f} ms")
+
+
+show("client E2E - decode worker span", client_added)
+if router_added:
+    show("the router's own span - decode worker span", router_added)
 PY

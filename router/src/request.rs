@@ -108,10 +108,15 @@ impl Request {
     /// Counts the request as served and observes its duration.
     pub fn succeed(&mut self) {
         self.count(labels::STATUS_OK);
+        let elapsed = self.started.elapsed();
         self.metrics
             .duration
             .with_label_values(&[self.endpoint])
-            .observe(self.started.elapsed().as_secs_f64());
+            .observe(elapsed.as_secs_f64());
+        // Per request, for loadtest/scripts/router_overhead.sh; off unless
+        // `pdserve_router::request=debug` is in the log filter.
+        let elapsed_us = elapsed.as_micros() as u64;
+        tracing::debug!(request_id = %self.id, elapsed_us, "request served");
     }
 
     /// Counts the request as failed with `e`'s code.
