@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # KV transfer over shaped links: a prefill worker and a decode worker in two
-# network namespaces joined by a veth pair, shaped with tc; for each link,
-# wire type and prompt length, the transfer time left after the prefill's
-# compute (its tail) against the job's wall time. Needs root (ip netns, tc).
-# Creates everything it uses and removes it on exit.
+# network namespaces, the link between them shaped in both directions; for
+# each link, wire type and prompt length, the transfer time left after the
+# prefill's compute (its tail) against the job's wall time. Needs root
+# (ip netns, tc, TUN devices). Creates everything it uses and removes it on
+# exit.
 #
 #   sudo loadtest/scripts/kv_links.sh            # the whole table
 #   LINKS="10g 1g" DTYPES=f16 LENGTHS="512" REPEATS=3 loadtest/scripts/kv_links.sh
@@ -109,8 +110,8 @@ shape() {
     cat "$LINK_LOG" >&2; echo "the user-space link did not start" >&2; exit 1
 }
 
-# report_rtt LABEL: the kernel's smoothed RTT (and its mean deviation, in ms)
-# of the prefill worker's connections to the decode worker.
+# report_rtt LABEL: the kernel's smoothed RTT with its mean deviation, and its
+# minimum RTT (ms), of the prefill worker's connections to the decode worker.
 report_rtt() {
     local rtts
     rtts="$(ip netns exec "$P" ss -tinpH state established dst "$DA" | awk '

@@ -15,6 +15,8 @@
 # worker emits one token for its whole batch every N ms (its prefill is
 # free). Without it (PACE_MS=0) the mocks answer at once.
 # WORKER_PROTOCOL=http1|http2 picks the router's calls to workers.
+# DECODE_WORKERS=N starts N decode mocks (default 1): a decode step then hands
+# the router a share of the streams' tokens instead of all of them at once.
 # PIN=1 gives the router core 0 and everything else (mocks, load
 # generator) core 1, as a deployment would give the router its own core.
 # ROUTER_LOG and MOCK_LOG set the router's and the prefill mock's log
@@ -39,7 +41,8 @@ C="${1:?concurrency (or any label, with RATE)}"; shift
 on_router=(); on_rest=()
 if [ "${PIN:-0}" = 1 ]; then on_router=(taskset -c 0); on_rest=(taskset -c 1); fi
 if [ -n "${RATE:-}" ]; then load=(--rate "$RATE"); else load=(--concurrency "$C"); fi
-P=18401; D=18402; R=18410
+P=18401; R=18410; D0=18420; NDEC="${DECODE_WORKERS:-1}"
+DECODE_URLS="$(seq -s, -f "http://127.0.0.1:%g" "$D0" $((D0 + NDEC - 1)))"
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 OUT="$(mktemp -d)"
 pids=()
@@ -52,12 +55,14 @@ else
           --step-fixed-ms "$PACE_MS" --step-ms-per-seq 0)
 fi
 "${on_rest[@]}" "$BIN/pdserve-mock-worker" --pool prefill --port $P --max-queue 100000 --log "${MOCK_LOG:-warn}" \
-    --decode-url "http://127.0.0.1:$D" "${mock[@]}" & pids+=($!)
-"${on_rest[@]}" "$BIN/pdserve-mock-worker" --pool decode --port $D --max-batch 100000 --max-queue 100000 \
-    --kv-cache-tokens 100000000 --log "warn,pdserve_worker::decode::generate=debug" \
-    "${mock[@]}" 2>"$OUT/decode.log" & pids+=($!)
+    --decode-url "$DECODE_URLS" "${mock[@]}" & pids+=($!)
+for i in $(seq 0 $((NDEC - 1))); do
+    "${on_rest[@]}" "$BIN/pdserve-mock-worker" --pool decode --port $((D0 + i)) --max-batch 100000 \
+        --max-queue 100000 --kv-cache-tokens 100000000 --log "warn,pdserve_worker::decode::generate=debug" \
+        "${mock[@]}" 2>"$OUT/decode-$i.log" & pids+=($!)
+done
 "${on_router[@]}" "$BIN/pdserve-router" --model "$MODEL" --port $R --mode disaggregated \
-    --prefill-url "http://127.0.0.1:$P" --decode-url "http://127.0.0.1:$D" \
+    --prefill-url "http://127.0.0.1:$P" --decode-url "$DECODE_URLS" \
     --worker-protocol "${WORKER_PROTOCOL:-http2}" \
     --max-concurrent-requests 100000 --log "${ROUTER_LOG:-warn},pdserve_router::request=debug" \
     2>"$OUT/router.log" & ROUTER=$!; pids+=($ROUTER)
@@ -66,7 +71,13 @@ for _ in $(seq 1 120); do
     sleep 0.25
 done
 cpu() { awk '{print $14 + $15}' "/proc/${1:-$ROUTER}/stat"; }
-PREFILL=${pids[0]}; DECODE=${pids[1]}
+PREFILL=${pids[0]}; DECODES=("${pids[@]:1:NDEC}")
+dcpu() { local t=0; for p in "${DECODES[@]}"; do t=$((t + $(cpu "$p"))); done; echo "$t"; }
+# Every decode mock in placement before the load starts.
+for _ in $(seq 1 120); do
+    [ "$(curl -sf "http://127.0.0.1:$R/metrics" | awk '/^pdserve_workers\{pool="decode",state="ready"\}/ {print $2}')" = "$NDEC" ] && break
+    sleep 0.25
+done
 fds=0
 watch_fds() {
     while kill -0 "$ROUTER" 2>/dev/null; do
@@ -75,7 +86,7 @@ watch_fds() {
     done
 }
 watch_fds & pids+=($!)
-before=$(cpu); d_before=$(cpu "$DECODE"); p_before=$(cpu "$PREFILL")
+before=$(cpu); d_before=$(dcpu); p_before=$(cpu "$PREFILL")
 start=$(date +%s.%N)
 "${on_rest[@]}" "$BIN/pdserve-loadtest" run --url "http://127.0.0.1:$R" --no-progress "${load[@]}" \
     --json "$OUT/run.json" "$@" & LOAD=$!
@@ -83,42 +94,49 @@ load_cpu=0
 while kill -0 "$LOAD" 2>/dev/null; do load_cpu=$(cpu "$LOAD" 2>/dev/null || echo "$load_cpu"); sleep 0.2; done
 wait "$LOAD"
 end=$(date +%s.%N)
-after=$(cpu); d_after=$(cpu "$DECODE"); p_after=$(cpu "$PREFILL")
+after=$(cpu); d_after=$(dcpu); p_after=$(cpu "$PREFILL")
 ticks=$(getconf CLK_TCK)
 awk -v b="$before" -v a="$after" -v t="$ticks" -v s="$start" -v e="$end" \
     'BEGIN { printf "router CPU: %.1f s over %.1f s of load (%.0f%% of one core)\n", (a-b)/t, e-s, 100*(a-b)/t/(e-s) }'
 awk -v l="$load_cpu" -v d="$((d_after - d_before))" -v p="$((p_after - p_before))" -v t="$ticks" -v s="$start" -v e="$end" \
-    'BEGIN { printf "others: load generator %.0f%%, decode mock %.0f%%, prefill mock %.0f%% of one core\n", 100*l/t/(e-s), 100*d/t/(e-s), 100*p/t/(e-s) }'
+    'BEGIN { printf "others: load generator %.0f%%, decode mocks %.0f%%, prefill mock %.0f%% of one core\n", 100*l/t/(e-s), 100*d/t/(e-s), 100*p/t/(e-s) }'
 grep -E "VmHWM|VmRSS" "/proc/$ROUTER/status"
 echo "router open descriptors, peak: $(cat "$OUT/fds" 2>/dev/null || echo ?)"
 grep -v "request served" "$OUT/router.log" >&2 || true
+cat "$OUT"/decode-*.log > "$OUT/decode.log"
 python3 - "$OUT/run.json" "$OUT/decode.log" "$OUT/router.log" <<'PY'
-import json, re, sys
+import datetime, json, re, sys
 run = json.load(open(sys.argv[1]))
 
 
 def spans(path):
+    """request id -> (end as Unix seconds, span in ms), from log lines that
+    start with an RFC 3339 timestamp."""
     out = {}
     for line in open(path, errors="replace"):
-        m = re.search(r'request_id=(\S+) elapsed_us=(\d+)', line)
+        m = re.search(r'^(\S+?)Z?\s.*request_id=(\S+) elapsed_us=(\d+)', line)
         if m:
-            out[m.group(1)] = int(m.group(2)) / 1e3
+            end = datetime.datetime.fromisoformat(m.group(1)).timestamp()
+            out[m.group(2)] = (end, int(m.group(3)) / 1e3)
     return out
 
 
 decode, router = spans(sys.argv[2]), spans(sys.argv[3])
-client_added, router_added = [], []
+client_added, router_added, before, after = [], [], [], []
 for point in run.get("points", [run]):
     for t in point.get("targets", []):
         for r in t.get("records", []):
             if r.get("error") or r.get("warmup") or not r.get("id"):
                 continue
-            span = decode.get(r["id"] + "-0")
-            if span is None:
+            if r["id"] + "-0" not in decode:
                 continue
+            d_end, span = decode[r["id"] + "-0"]
             client_added.append(r["e2e"] * 1e3 - span)
             if r["id"] in router:
-                router_added.append(router[r["id"]] - span)
+                r_end, r_span = router[r["id"]]
+                router_added.append(r_span - span)
+                after.append((r_end - d_end) * 1e3)
+                before.append(router_added[-1] - after[-1])
 if not client_added:
     sys.exit("no request paired with the decode worker's log")
 
@@ -133,4 +151,6 @@ def show(label, added):
 show("client E2E - decode worker span", client_added)
 if router_added:
     show("the router's own span - decode worker span", router_added)
+    show("of which before the decode worker's span", before)
+    show("of which after it", after)
 PY
