@@ -7,7 +7,7 @@
 # exit.
 #
 #   sudo loadtest/scripts/kv_links.sh            # the whole table
-#   LINKS="10g 1g" DTYPES=f16 LENGTHS="512" REPEATS=3 loadtest/scripts/kv_links.sh
+#   sudo LINKS="10g 1g" DTYPES=f16 LENGTHS="512" REPEATS=3 loadtest/scripts/kv_links.sh
 #
 # Links: 10g and 1g (rate, RTT_MS round trip, 0.5 ms by default), 1g-lossy
 # (also 1% of packets dropped each way), 100m (where a CPU prefill outruns
@@ -32,14 +32,14 @@ P=pdkv-prefill; D=pdkv-decode; PA=10.77.0.1; DA=10.77.0.2
 export PDSERVE_INTERNAL_TOKEN="${PDSERVE_INTERNAL_TOKEN:-kv-links-$RANDOM$RANDOM}"
 pids=()
 link_pid=""
-LINK_LOG="$(mktemp)"
+LINK_LOG=""
 cleanup() {
     stop_link
     kill -TERM "${pids[@]}" 2>/dev/null || true
     wait 2>/dev/null || true
     ip netns del "$P" 2>/dev/null || true
     ip netns del "$D" 2>/dev/null || true
-    rm -f "$LINK_LOG"
+    [ -z "$LINK_LOG" ] || rm -f "$LINK_LOG"
 }
 # stop_link: the user-space link, if one runs; its report goes to stderr.
 stop_link() {
@@ -51,6 +51,7 @@ stop_link() {
 }
 trap cleanup EXIT
 cleanup
+LINK_LOG="$(mktemp)"
 ip netns add "$P"; ip netns add "$D"
 ip link add pdkv-p netns "$P" type veth peer name pdkv-d netns "$D"
 ip -n "$P" addr add "$PA/24" dev pdkv-p; ip -n "$D" addr add "$DA/24" dev pdkv-d
@@ -88,11 +89,12 @@ shape() {
         *) echo "unknown link $1" >&2; exit 2 ;;
     esac
     stop_link
+    local ns dev
     for side in "$P pdkv-p" "$D pdkv-d"; do
-        set -- $side
-        ip netns exec "$1" tc qdisc del dev "$2" root 2>/dev/null || true
+        read -r ns dev <<< "$side"
+        ip netns exec "$ns" tc qdisc del dev "$dev" root 2>/dev/null || true
         if [ -n "$mbit" ] && [ "$has_netem" = 1 ]; then
-            ip netns exec "$1" tc qdisc add dev "$2" root netem delay "${HALF_RTT_MS}ms" \
+            ip netns exec "$ns" tc qdisc add dev "$dev" root netem delay "${HALF_RTT_MS}ms" \
                 rate "${mbit}mbit" loss "${loss}%"
         fi
     done
@@ -116,7 +118,7 @@ report_rtt() {
     local rtts
     rtts="$(ip netns exec "$P" ss -tinpH state established dst "$DA" | awk '
         /pdserve-prefill/ { mine = 1; next }
-        mine { for (i = 1; i <= NF; i++) if ($i ~ /^(rtt|minrtt):/) printf "%s ", $i; mine = 0 }')"
+        mine { for (i = 1; i <= NF; i++) if ($i ~ /^(rtt|minrtt):/) printf "%s ", $i; mine = 0 }' || true)"
     echo "$1: the KV connection's ${rtts:-rtt: none open}" >&2
 }
 

@@ -42,11 +42,18 @@ on_router=(); on_rest=()
 if [ "${PIN:-0}" = 1 ]; then on_router=(taskset -c 0); on_rest=(taskset -c 1); fi
 if [ -n "${RATE:-}" ]; then load=(--rate "$RATE"); else load=(--concurrency "$C"); fi
 P=18401; R=18410; D0=18420; NDEC="${DECODE_WORKERS:-1}"
+[[ "$NDEC" =~ ^[1-9][0-9]?$ ]] || { echo "DECODE_WORKERS must be 1-99" >&2; exit 2; }
 DECODE_URLS="$(seq -s, -f "http://127.0.0.1:%g" "$D0" $((D0 + NDEC - 1)))"
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 OUT="$(mktemp -d)"
 pids=()
-cleanup() { kill -TERM "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$OUT"; }
+# On failure, what the router logged (its stderr goes to a file) is shown.
+cleanup() {
+    local status=$?
+    kill -TERM "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true
+    [ "$status" = 0 ] || grep -v "request served" "$OUT/router.log" >&2 2>/dev/null || true
+    rm -rf "$OUT"
+}
 trap cleanup EXIT
 if [ "$PACE_MS" = 0 ]; then
     mock=(--model "$MODEL" --latency-scale 0)
@@ -66,18 +73,26 @@ done
     --worker-protocol "${WORKER_PROTOCOL:-http2}" \
     --max-concurrent-requests 100000 --log "${ROUTER_LOG:-warn},pdserve_router::request=debug" \
     2>"$OUT/router.log" & ROUTER=$!; pids+=($ROUTER)
+up=0
 for _ in $(seq 1 120); do
-    curl -sf "http://127.0.0.1:$R/ready" >/dev/null && break
+    curl -sf "http://127.0.0.1:$R/ready" >/dev/null && { up=1; break; }
     sleep 0.25
 done
+[ "$up" = 1 ] || { echo "the router did not become ready in 30 s" >&2; exit 1; }
 cpu() { awk '{print $14 + $15}' "/proc/${1:-$ROUTER}/stat"; }
 PREFILL=${pids[0]}; DECODES=("${pids[@]:1:NDEC}")
 dcpu() { local t=0; for p in "${DECODES[@]}"; do t=$((t + $(cpu "$p"))); done; echo "$t"; }
 # Every decode mock in placement before the load starts.
+ready_decode() {
+    curl -sf "http://127.0.0.1:$R/metrics" |
+        awk '/^pdserve_workers\{pool="decode",state="ready"\}/ {print $2}' || true
+}
+up=0
 for _ in $(seq 1 120); do
-    [ "$(curl -sf "http://127.0.0.1:$R/metrics" | awk '/^pdserve_workers\{pool="decode",state="ready"\}/ {print $2}')" = "$NDEC" ] && break
+    [ "$(ready_decode)" = "$NDEC" ] && { up=1; break; }
     sleep 0.25
 done
+[ "$up" = 1 ] || { echo "only $(ready_decode) of $NDEC decode mocks ready after 30 s" >&2; exit 1; }
 fds=0
 watch_fds() {
     while kill -0 "$ROUTER" 2>/dev/null; do

@@ -14,7 +14,10 @@
 //!
 //! On SIGINT or SIGTERM it prints, per direction, what it carried and how
 //! late each packet left against its due time, which bounds the emulator's
-//! own error.
+//! own error. It stops with an error when a device or either namespace goes
+//! away. The rate counts IP bytes (no Ethernet framing), and the headers of
+//! an offloaded segment once, so goodput runs a few percent above netem's
+//! at the same rate.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -127,15 +130,6 @@ struct Queue {
     ready: Condvar,
 }
 
-// From <linux/if_tun.h>.
-const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
-const TUNSETOFFLOAD: libc::c_ulong = 0x4004_54d0;
-const IFF_TUN: libc::c_short = 0x0001;
-const IFF_NO_PI: libc::c_short = 0x1000;
-const IFF_VNET_HDR: libc::c_short = 0x4000;
-const TUN_F_CSUM: libc::c_ulong = 0x01;
-const TUN_F_TSO4: libc::c_ulong = 0x02;
-const TUN_F_TSO6: libc::c_ulong = 0x04;
 /// The `virtio_net_hdr` in front of every packet read or written.
 const VNET_HDR: usize = 10;
 
@@ -143,7 +137,10 @@ const VNET_HDR: usize = 10;
 /// entered for the open (a TUN file belongs to the namespace it was opened
 /// in) and left again.
 fn open_tun(ns: &str, dev: &str, offload: bool) -> Result<File> {
-    ensure!(dev.len() < libc::IFNAMSIZ, "device name {dev} is too long");
+    ensure!(
+        !dev.is_empty() && dev.len() < libc::IFNAMSIZ && !dev.contains(['\0', '/', '%']),
+        "bad device name {dev:?}"
+    );
     let home = File::open("/proc/thread-self/ns/net").context("opening this thread's netns")?;
     let target = File::open(format!("/run/netns/{ns}"))
         .with_context(|| format!("no network namespace {ns}"))?;
@@ -162,6 +159,16 @@ fn enter(ns: &File) -> std::io::Result<()> {
 }
 
 fn attach(dev: &str, offload: bool) -> std::io::Result<File> {
+    // TUNSETIFF on a name that does not exist creates a new device; this
+    // attaches only to one the caller made.
+    let name = std::ffi::CString::new(dev).expect("checked: no NUL");
+    // SAFETY: a NUL-terminated name.
+    if unsafe { libc::if_nametoindex(name.as_ptr()) } == 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "no such device (create it with `ip tuntap add dev NAME mode tun vnet_hdr`)",
+        ));
+    }
     let tun = File::options()
         .read(true)
         .write(true)
@@ -169,18 +176,17 @@ fn attach(dev: &str, offload: bool) -> std::io::Result<File> {
     // struct ifreq: the name, then the flags at byte 16; 40 bytes in all.
     let mut ifreq = [0u8; 40];
     ifreq[..dev.len()].copy_from_slice(dev.as_bytes());
-    let flags = IFF_TUN | IFF_NO_PI | IFF_VNET_HDR;
+    let flags = (libc::IFF_TUN | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as libc::c_short;
     ifreq[16..18].copy_from_slice(&flags.to_ne_bytes());
-    let offloads = if offload {
-        TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6
-    } else {
-        0
+    let offloads = match offload {
+        true => (libc::TUN_F_CSUM | libc::TUN_F_TSO4 | libc::TUN_F_TSO6) as libc::c_ulong,
+        false => 0,
     };
     // SAFETY: TUNSETIFF reads and writes the 40-byte ifreq it is given;
     // TUNSETOFFLOAD takes its flags by value.
     unsafe {
-        if libc::ioctl(tun.as_raw_fd(), TUNSETIFF, ifreq.as_mut_ptr()) != 0
-            || libc::ioctl(tun.as_raw_fd(), TUNSETOFFLOAD, offloads) != 0
+        if libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, ifreq.as_mut_ptr()) != 0
+            || libc::ioctl(tun.as_raw_fd(), libc::TUNSETOFFLOAD, offloads) != 0
         {
             return Err(std::io::Error::last_os_error());
         }
@@ -203,10 +209,11 @@ fn receive(mut from: File, mut shaper: Shaper, queue: Arc<Queue>, counters: Arc<
             }
         };
         let now = Instant::now();
+        let packet = buf[..n].to_vec();
         let mut packets = queue.packets.lock().expect("link queue");
         match shaper.admit(now, n.saturating_sub(VNET_HDR), packets.len()) {
             Verdict::Leave(due) => {
-                packets.push_back((due, buf[..n].to_vec()));
+                packets.push_back((due, packet));
                 queue.ready.notify_one();
             }
             Verdict::Lost => counters.lock().expect("link counters").lost += 1,
@@ -264,7 +271,7 @@ fn wait_until(due: Instant) {
 }
 
 /// Blocks SIGINT and SIGTERM in this thread (and so in every thread spawned
-/// after), for `sigwait` to take them.
+/// after), for `sigtimedwait` to take them.
 fn block_exit_signals() -> libc::sigset_t {
     // SAFETY: plain signal-set manipulation on a zeroed, initialised set.
     unsafe {
@@ -285,8 +292,14 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 pub fn run(args: LinkArgs) -> Result<()> {
-    ensure!(args.delay_ms >= 0.0, "--delay-ms must be >= 0");
-    ensure!(args.rate_mbit >= 0.0, "--rate-mbit must be >= 0");
+    ensure!(
+        (0.0..=60_000.0).contains(&args.delay_ms),
+        "--delay-ms must be between 0 and 60000"
+    );
+    ensure!(
+        args.rate_mbit == 0.0 || (0.001..=1e7).contains(&args.rate_mbit),
+        "--rate-mbit must be 0 (no limit) or between 0.001 and 10000000"
+    );
     ensure!(
         (0.0..100.0).contains(&args.loss),
         "--loss is a percentage below 100"
@@ -295,6 +308,13 @@ pub fn run(args: LinkArgs) -> Result<()> {
     // Sleeps to the microsecond, not to the default 50 µs timer slack.
     // SAFETY: prctl with an integer argument.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
+    // A panic in any thread (a poisoned queue, a time overflow) stops the
+    // link, rather than leaving one direction dead.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        std::process::exit(101);
+    }));
     let set = block_exit_signals();
     let offload = args.loss == 0.0;
     let a = open_tun(&args.ns_a, &args.dev_a, offload)?;
@@ -340,11 +360,7 @@ pub fn run(args: LinkArgs) -> Result<()> {
         args.loss,
         if offload { "on" } else { "off" },
     );
-    let mut signal = 0;
-    // SAFETY: waits on the set blocked above.
-    if unsafe { libc::sigwait(&set, &mut signal) } != 0 {
-        bail!("sigwait failed");
-    }
+    let gone = wait_for_exit(&set, [&args.ns_a, &args.ns_b]);
     for (name, counters) in all {
         let mut c = counters.lock().expect("link counters");
         c.late_us.sort_by(f64::total_cmp);
@@ -360,7 +376,32 @@ pub fn run(args: LinkArgs) -> Result<()> {
             percentile(&c.late_us, 0.99),
         );
     }
-    Ok(())
+    match gone {
+        Some(ns) => bail!("network namespace {ns} is gone: the link is down"),
+        None => Ok(()),
+    }
+}
+
+/// Waits for SIGINT or SIGTERM; checks every second that both namespaces
+/// still exist (a TUN file keeps its namespace alive after `ip netns del`,
+/// so reads would not fail), and returns the first one gone.
+fn wait_for_exit<'a>(set: &libc::sigset_t, namespaces: [&'a String; 2]) -> Option<&'a String> {
+    let second = libc::timespec {
+        tv_sec: 1,
+        tv_nsec: 0,
+    };
+    loop {
+        // SAFETY: waits on a set blocked in every thread of the process.
+        if unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &second) } > 0 {
+            return None;
+        }
+        if let Some(ns) = namespaces
+            .into_iter()
+            .find(|ns| !std::path::Path::new(&format!("/run/netns/{ns}")).exists())
+        {
+            return Some(ns);
+        }
+    }
 }
 
 #[cfg(test)]

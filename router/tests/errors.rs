@@ -201,6 +201,36 @@ async fn no_decode_worker_is_503_and_not_ready() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disaggregated_router_without_a_prefill_worker_is_not_ready() {
+    let model = pdserve_testkit::tiny::TinyModel::new();
+    let (decode, _worker) = mock(&model, "decode", &[]).await;
+    let listed = format!("--decode-url={decode}");
+    let (url, _) = router(
+        model.arg(),
+        &[],
+        &[],
+        &["--mode", "disaggregated", listed.as_str()],
+    )
+    .await;
+    // The decode worker enters placement, the router still cannot serve.
+    wait_until(Duration::from_secs(10), || async {
+        let m = reqwest::get(format!("{url}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        m.contains("pdserve_workers{pool=\"decode\",state=\"ready\"} 1")
+    })
+    .await;
+    let ready = reqwest::get(format!("{url}/ready")).await.unwrap().status();
+    assert_eq!(ready, 503, "no prefill worker, yet ready");
+    let r = post(&url, "/v1/chat/completions", &chat_body("x", json!({}))).await;
+    let status = r.status().as_u16();
+    check_error(status, &r.json().await.unwrap(), 503, "no_worker");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_decode_pool_is_503() {
     let full = decode_double(|| async {
         let e = ErrorBody::retryable(ErrorKind::KvExhausted, "the KV budget is full");
