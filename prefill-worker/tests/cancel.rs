@@ -105,10 +105,14 @@ async fn delete_cancels_a_running_job() {
         .await
         .unwrap();
     assert_eq!(del.status(), 200);
-    sink.open();
+    // The outcome is read while the sink still holds the upload, so only
+    // the cancel can end the job. (Opening the gate first raced: on a busy
+    // machine the upload could finish before the job's task saw the
+    // cancel, and the job was reported done.)
     let resp = within(running).await.unwrap().unwrap();
-    let e = prefill_outcome(resp).await.unwrap_err();
+    let e = within(prefill_outcome(resp)).await.unwrap_err();
     assert_eq!(e.kind, ErrorKind::Cancelled, "{e:?}");
+    sink.open();
     let gone = client
         .delete(format!("{url}/v1/internal/prefill/del"))
         .send()
