@@ -31,6 +31,8 @@ use clap::Args;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::run::stats::quantile;
+
 #[derive(Args, Debug)]
 pub struct LinkArgs {
     /// The first namespace (as `ip netns` names it) and its TUN device.
@@ -246,7 +248,7 @@ fn transmit(mut to: File, queue: Arc<Queue>, counters: Arc<Mutex<Counters>>) {
         match written {
             Ok(_) => {
                 c.packets += 1;
-                c.bytes += (packet.len() - VNET_HDR.min(packet.len())) as u64;
+                c.bytes += packet.len().saturating_sub(VNET_HDR) as u64;
                 if c.late_us.len() < 1_000_000 {
                     c.late_us.push(late.as_secs_f64() * 1e6);
                 }
@@ -282,13 +284,6 @@ fn block_exit_signals() -> libc::sigset_t {
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
     }
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 pub fn run(args: LinkArgs) -> Result<()> {
@@ -372,8 +367,8 @@ pub fn run(args: LinkArgs) -> Result<()> {
             c.lost,
             c.over_limit,
             c.write_errors,
-            percentile(&c.late_us, 0.5),
-            percentile(&c.late_us, 0.99),
+            quantile(&c.late_us, 0.5),
+            quantile(&c.late_us, 0.99),
         );
     }
     match gone {
