@@ -31,7 +31,8 @@ use libfuzzer_sys::fuzz_target;
 use pdserve_fuzz::{cap_allocations, pieces, split_cuts};
 use pdserve_protocol::kvwire::{
     encode_end, encode_header, encode_layer_parts, encode_layers, validate_against, ExpectedKv,
-    KvDtype, KvEvent, KvHeader, KvLimits, KvShape, KvStreamDecoder, KvTrailer, KvWireError,
+    KvDtype, KvEvent, KvHeader, KvLimits, KvShape, KvStreamDecoder, KvTraceContext, KvTrailer,
+    KvWireError,
     LayerFrame,
 };
 
@@ -184,7 +185,10 @@ fn check_header(limits: &KvLimits, h: &KvHeader) {
     };
     let own = shape.expected(&h.request_id, (h.start_token, h.n_tokens));
     assert_eq!(validate_against(h, &own), Ok(()));
-    let rebuilt = shape.header(&h.request_id, (h.start_token, h.n_tokens), h.seed, h.dtype);
+    let rebuilt = KvHeader {
+        trace: h.trace,
+        ..shape.header(&h.request_id, (h.start_token, h.n_tokens), h.seed, h.dtype)
+    };
     assert_eq!(&rebuilt, h);
     let smaller = ExpectedKv {
         max_tokens: h.n_tokens - 1,
@@ -327,7 +331,23 @@ fn arbitrary_header(u: &mut Unstructured) -> ArbResult<KvHeader> {
         n_tokens,
         start_token,
         seed: u.arbitrary()?,
+        trace: arbitrary_trace(u)?,
     })
+}
+
+/// No trace context, or one with ids that are not all zeros.
+fn arbitrary_trace(u: &mut Unstructured) -> ArbResult<Option<KvTraceContext>> {
+    if !u.arbitrary::<bool>()? {
+        return Ok(None);
+    }
+    let (mut trace_id, mut span_id): ([u8; 16], [u8; 8]) = (u.arbitrary()?, u.arbitrary()?);
+    trace_id[0] |= 1;
+    span_id[0] |= 1;
+    Ok(Some(KvTraceContext {
+        trace_id,
+        span_id,
+        trace_flags: u.arbitrary()?,
+    }))
 }
 
 /// Layer frames over the header's token range, cut into arbitrary runs of

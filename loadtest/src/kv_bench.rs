@@ -161,6 +161,7 @@ fn header(layout: KvLayout, tokens: usize, dtype: KvDtype) -> KvHeader {
         n_tokens: tokens as u32,
         start_token: 0,
         seed: 0,
+        trace: None,
     }
 }
 

@@ -322,3 +322,116 @@ async fn one_request_is_one_trace_across_the_three_processes() {
     println!("trace {CLIENT_TRACE}:\n{tree}");
     drop((router, prefill, decode));
 }
+
+/// The KV stream carries the trace in its own header frame too: a prefill
+/// worker writes its `kv_transfer` span there, and a decode worker sent that
+/// stream with no `traceparent` header still joins the trace from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_header_frame_carries_the_trace_without_the_http_header() {
+    use pdserve_protocol::internal::GenerateEvent;
+    use pdserve_protocol::kvwire::{KvEvent, KvLimits, KvStreamDecoder};
+    use pdserve_testkit::ndjson::{prefill_outcome, Lines};
+
+    let Some(mock) = workspace_binary("pdserve-mock-worker") else {
+        return;
+    };
+    let mock = mock.to_str().unwrap();
+    let model = TinyModel::new();
+    let (otlp, got) = receiver().await;
+    let worker = |pool: &'static str| {
+        let mut a = vec!["--pool", pool, "--port", "0", "--model", model.arg()];
+        a.extend(["--otlp-endpoint", otlp.as_str(), "--latency-scale", "0"]);
+        a
+    };
+    let decode = start(mock, &worker("decode")).await;
+    // A stand-in decode worker that keeps the stream the prefill worker sends.
+    let kept = Arc::new(Mutex::new(Vec::new()));
+    let sink = kept.clone();
+    let app = axum::Router::new().route(
+        "/v1/internal/kv/{id}",
+        post(move |body: axum::body::Bytes| {
+            let sink = sink.clone();
+            async move {
+                sink.lock().unwrap().extend_from_slice(&body);
+                axum::Json(json!({"tokens": 6, "bytes": body.len()}))
+            }
+        }),
+    );
+    let sink_url = serve(app).await;
+    let known = format!("--decode-url={sink_url}");
+    let mut prefill_args = worker("prefill");
+    prefill_args.push(&known);
+    let prefill = start(mock, &prefill_args).await;
+
+    let (id, prompt) = ("kvtrace-1", json!([3, 4, 5, 6, 7, 8]));
+    let sampling = json!({"temperature": 0, "max_tokens": 3});
+    let job = json!({
+        "request_id": id,
+        "prompt_tokens": prompt,
+        "sampling": sampling,
+        "kv_destination": format!("{sink_url}/v1/internal/kv/{id}"),
+        "deadline_ms": 30_000,
+    });
+    let done = common::post(&prefill.url, "/v1/internal/prefill", &job).await;
+    prefill_outcome(done).await.expect("the KV was delivered");
+    let stream = kept.lock().unwrap().clone();
+    let mut decoder = KvStreamDecoder::new(KvLimits::default());
+    let header = match decoder.push(&stream).unwrap().into_iter().next() {
+        Some(KvEvent::Header(h)) => h,
+        other => panic!("no header frame: {other:?}"),
+    };
+    let carried = header
+        .trace
+        .expect("a traced job's header carries its context");
+
+    // The same stream, replayed to a real reservation without the header.
+    let generate = json!({
+        "request_id": id,
+        "prompt_tokens": prompt,
+        "sampling": sampling,
+        "kv_source": {"kind": "remote", "lease_ms": 30_000},
+    });
+    let mut events =
+        Lines::new(common::post(&decode.url, "/v1/internal/generate", &generate).await);
+    let Some(GenerateEvent::Reserved {
+        kv_url: Some(kv_url),
+        ..
+    }) = events.next().await
+    else {
+        panic!("no reservation")
+    };
+    let replayed = reqwest::Client::new()
+        .post(&kv_url)
+        .body(stream)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replayed.status(), 200, "{:?}", replayed.text().await);
+    let tokens = events.all().await;
+    assert!(
+        matches!(tokens.last(), Some(GenerateEvent::Finished { .. })),
+        "{tokens:?}"
+    );
+
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let (trace, parent) = (hex(&carried.trace_id), hex(&carried.span_id));
+    let find = |svc: &'static str, name: &'static str| {
+        let all = got.lock().unwrap().clone();
+        all.into_iter().find(|s| s.service == svc && s.name == name)
+    };
+    wait_until(Duration::from_secs(10), || async {
+        find("pdserve-mock-prefill", "kv_transfer").is_some()
+            && find("pdserve-mock-decode", "kv_receive").is_some()
+    })
+    .await;
+    let sent = find("pdserve-mock-prefill", "kv_transfer").expect("kv_transfer");
+    assert_eq!(
+        (sent.trace.as_str(), sent.id.as_str()),
+        (trace.as_str(), parent.as_str())
+    );
+    assert_eq!(carried.trace_flags, 1, "sampled");
+    let received = find("pdserve-mock-decode", "kv_receive").expect("kv_receive");
+    assert_eq!(received.trace, trace, "{received:?}");
+    assert_eq!(received.parent.as_deref(), Some(parent.as_str()));
+    drop((prefill, decode));
+}

@@ -35,6 +35,7 @@ fn tiny_header(id: &str, fingerprint: u64, n_tokens: u32) -> KvHeader {
         n_tokens,
         start_token: 0,
         seed: 0,
+        trace: None,
     }
 }
 

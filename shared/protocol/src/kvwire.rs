@@ -11,12 +11,18 @@
 //!         body = id_len:u16 request_id fingerprint:u64 dtype:u8
 //!                n_layers:u32 n_kv_heads:u32 head_dim:u32 n_tokens:u32
 //!                start_token:u32 seed:u64
+//!                [trace_id:16 bytes span_id:8 bytes trace_flags:u8]
 //!         crc:u32
 //! layer   "KVLF" layer_start:u32 layer_count:u32 token_start:u32 token_count:u32
 //!         payload_len:u64 payload crc:u32
 //! end     "KVND" first_token:u32 first_logprob:f32 n_top:u8
 //!         n_top x (token:u32 logprob:f32) crc:u32
 //! ```
+//!
+//! The header's only flag is [`FLAG_TRACE_CONTEXT`] (bit 0): the body ends
+//! with the sender's W3C trace context (a `traceparent`'s fields in binary).
+//! A stream without it is the same, byte for byte, as before the flag
+//! existed; other bits are refused.
 //!
 //! A layer frame's payload holds, for each of its layers in order, the K
 //! bytes of its tokens, then the V bytes (`token_count * n_kv_heads *
@@ -30,7 +36,8 @@
 //! layers.
 //!
 //! Encode with [`encode_header`], [`encode_layers`] (or
-//! [`encode_layer_parts`]) and [`encode_end`]; decode incrementally with
+//! [`encode_layer_parts`]) and [`encode_end`] ([`with_trace`] adds a trace
+//! context to an encoded header); decode incrementally with
 //! [`KvStreamDecoder`]; check a decoded header against a decode worker's
 //! reservation with [`validate_against`].
 
@@ -43,14 +50,18 @@ mod types;
 mod validate;
 
 pub use decode::KvStreamDecoder;
-pub use encode::{encode_end, encode_header, encode_layer_parts, encode_layers};
+pub use encode::{encode_end, encode_header, encode_layer_parts, encode_layers, with_trace};
 pub use error::KvWireError;
 pub use shape::KvShape;
-pub use types::{ExpectedKv, KvDtype, KvEvent, KvHeader, KvLimits, KvTrailer, LayerFrame};
+pub use types::{
+    ExpectedKv, KvDtype, KvEvent, KvHeader, KvLimits, KvTraceContext, KvTrailer, LayerFrame,
+};
 pub use validate::validate_against;
 
 /// The only wire-format version this crate reads and writes.
 pub const VERSION: u16 = 2;
+/// Header flag: the header body ends with a [`KvTraceContext`].
+pub const FLAG_TRACE_CONTEXT: u16 = 0x0001;
 /// Tag of the header frame.
 pub const HEADER_TAG: [u8; 4] = *b"PDKV";
 /// Tag of a layer frame.

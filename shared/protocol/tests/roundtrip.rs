@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{build, decode_chunked, header, trailer, Chunk, Stream};
+use common::{build, decode_chunked, header, reseal, trailer, Chunk, Stream};
 use pdserve_protocol::kvwire::{KvDtype, KvEvent};
 
 /// 10 tokens in 3 chunks over 4 layers, with multi-layer frames.
@@ -113,4 +113,68 @@ fn a_stream_may_start_after_the_tokens_the_receiver_holds() {
     assert!(decode_chunked(&short.bytes, 5).is_err());
     h.start_token = 11;
     assert!(pdserve_protocol::kvwire::encode_header(&h).is_err());
+}
+
+/// A header with the sender's trace context carries it through, costs 25
+/// bytes and sets flag 1; without one the frame is what it always was.
+#[test]
+fn a_trace_context_rides_in_the_header() {
+    use pdserve_protocol::kvwire::{encode_header, with_trace, KvTraceContext, FLAG_TRACE_CONTEXT};
+    let plain = header(KvDtype::F16, 2, 1, 2, 4);
+    let plain_bytes = encode_header(&plain).unwrap();
+    assert_eq!(&plain_bytes[6..8], &[0, 0], "no flag without a trace");
+    let mut traced = plain.clone();
+    traced.trace = Some(KvTraceContext {
+        trace_id: [0x4b; 16],
+        span_id: [0x0f; 8],
+        trace_flags: 1,
+    });
+    let chunks = [Chunk {
+        token_start: 0,
+        token_count: 4,
+        groups: vec![(0, 2)],
+    }];
+    let stream = build(&traced, &chunks, &trailer(1), 3);
+    assert_eq!(
+        u16::from_le_bytes([stream.bytes[6], stream.bytes[7]]),
+        FLAG_TRACE_CONTEXT
+    );
+    let traced_bytes = encode_header(&traced).unwrap();
+    assert_eq!(traced_bytes.len(), plain_bytes.len() + 25);
+    let stamped = with_trace(&plain_bytes, traced.trace.unwrap()).unwrap();
+    assert_eq!(stamped, traced_bytes, "added to an encoded header");
+    assert!(with_trace(&plain_bytes[..20], traced.trace.unwrap()).is_err());
+    let events = decode_chunked(&stream.bytes, 5).expect("decodes");
+    assert_eq!(events, stream.events);
+    assert_eq!(events[0], KvEvent::Header(traced.clone()));
+
+    // W3C's invalid (all-zero) ids are refused on both sides.
+    let mut zero = traced.clone();
+    zero.trace.as_mut().unwrap().span_id = [0; 8];
+    assert_eq!(encode_header(&zero).unwrap_err().kind(), "invalid_field");
+    let mut forged = traced_bytes.clone();
+    let at = forged.len() - 4 - 9;
+    forged[at..at + 8].fill(0);
+    reseal(&mut forged);
+    assert_eq!(
+        decode_chunked(&forged, 7).unwrap_err().kind(),
+        "invalid_field"
+    );
+
+    // The flag without the 25 bytes (or the bytes without the flag) is a
+    // length error, not a misread body.
+    let mut flag_only = plain_bytes.clone();
+    flag_only[6] = 1;
+    reseal(&mut flag_only);
+    assert_eq!(
+        decode_chunked(&flag_only, 7).unwrap_err().kind(),
+        "bad_length"
+    );
+    let mut bytes_only = traced_bytes;
+    bytes_only[6] = 0;
+    reseal(&mut bytes_only);
+    assert_eq!(
+        decode_chunked(&bytes_only, 7).unwrap_err().kind(),
+        "bad_length"
+    );
 }

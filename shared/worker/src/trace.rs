@@ -11,7 +11,8 @@ use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::Response;
 use futures_util::StreamExt;
-use pdserve_runtime::otel;
+use pdserve_protocol::kvwire::KvTraceContext;
+use pdserve_runtime::otel::{self, SpanContext};
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
 
@@ -90,4 +91,27 @@ pub fn kv_transfer(url: &str) -> Span {
         otel.status_message = Empty,
         server.address = %url,
     )
+}
+
+/// `span`'s context as a KV stream's header frame carries it, when `span`
+/// is exported.
+pub fn kv_context(span: &Span) -> Option<KvTraceContext> {
+    otel::context(span).map(|c| KvTraceContext {
+        trace_id: c.trace_id,
+        span_id: c.span_id,
+        trace_flags: u8::from(c.sampled),
+    })
+}
+
+/// Joins a `kv_receive` span to the sender's trace from the stream's header
+/// frame, when the HTTP request carried no `traceparent`; a span that has
+/// its caller already keeps it.
+pub fn adopt_kv_context(span: &Span, trace: &KvTraceContext) {
+    let sender = SpanContext {
+        trace_id: trace.trace_id,
+        span_id: trace.span_id,
+        sampled: trace.trace_flags & 1 == 1,
+    };
+    span.record("traceparent", sender.to_string().as_str());
+    otel::tag_logs(span);
 }

@@ -2,10 +2,27 @@
 //! go to the decode worker's ingest URL in one streamed POST.
 
 use axum::http::header;
+use bytes::Bytes;
 use futures_util::StreamExt;
 use pdserve_protocol::internal::{ErrorBody, ErrorKind};
+use pdserve_protocol::kvwire;
 
 use crate::prefill::frames::FrameReceiver;
+
+/// The engine's header frame with the current span (the job's
+/// `kv_transfer`) as its trace context, so the decode worker's spans join
+/// the job's trace from the stream itself. Unchanged when nothing is
+/// traced, so an untraced stream is what it was before the flag existed.
+fn with_span_context(frame: Bytes) -> Bytes {
+    let Some(trace) = crate::trace::kv_context(&tracing::Span::current()) else {
+        return frame;
+    };
+    match kvwire::with_trace(&frame, trace) {
+        Ok(stamped) => stamped.into(),
+        // Not a header the decoder would take either: it says why.
+        Err(_) => frame,
+    }
+}
 
 /// Streams `frames` to `url` until the sender side closes; the decode
 /// worker's error, when it refuses the stream, is returned as it sent it.
@@ -23,6 +40,7 @@ pub async fn upload(
             "the job ended before its first KV frame",
         ));
     };
+    let first = with_span_context(first);
     let rest = futures_util::stream::poll_fn(move |cx| frames.poll_recv(cx));
     let stream = futures_util::stream::once(std::future::ready(first))
         .chain(rest)
@@ -30,7 +48,8 @@ pub async fn upload(
     let request = client
         .post(url)
         .header(header::CONTENT_TYPE, "application/octet-stream");
-    // The KV stream's own header joins the decode worker's spans to this job's.
+    // The request's header joins the decode worker's spans to this job's
+    // too, for whatever sees the HTTP request before the stream is decoded.
     let resp = pdserve_runtime::otel::inject(request)
         .body(reqwest::Body::wrap_stream(stream))
         .send()

@@ -294,7 +294,7 @@ impl KvStreamDecoder {
     fn step(&mut self, events: &mut Vec<KvEvent>) -> Result<(), KvWireError> {
         self.phase = match std::mem::replace(&mut self.phase, Phase::Done) {
             Phase::HeaderPrefix => {
-                let body_len = parse_header_prefix(&self.scratch)?;
+                let (body_len, _) = parse_header_prefix(&self.scratch)?;
                 Phase::HeaderRest {
                     total: body_len.saturating_add(HEADER_PREFIX_LEN + CRC_LEN),
                 }

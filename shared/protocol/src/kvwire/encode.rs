@@ -1,9 +1,9 @@
 //! Encoders: each function produces one complete frame.
 
-use super::frame::{not_nan, CRC_LEN, END_PREFIX_LEN, TOP_ENTRY_LEN};
-use super::frame::{HEADER_BODY_FIXED, HEADER_PREFIX_LEN, LAYER_PREFIX_LEN};
-use super::{KvHeader, KvLimits, KvTrailer, KvWireError};
-use super::{END_TAG, HEADER_TAG, LAYER_TAG, MAX_TOP_LOGPROBS, VERSION};
+use super::frame::{header_body_len, HEADER_PREFIX_LEN, LAYER_PREFIX_LEN};
+use super::frame::{not_nan, parse_header, strip_crc, CRC_LEN, END_PREFIX_LEN, TOP_ENTRY_LEN};
+use super::{KvHeader, KvLimits, KvTraceContext, KvTrailer, KvWireError};
+use super::{END_TAG, FLAG_TRACE_CONTEXT, HEADER_TAG, LAYER_TAG, MAX_TOP_LOGPROBS, VERSION};
 
 /// Appends a frame's bytes to a buffer while computing its CRC32C.
 struct FrameWriter<'a> {
@@ -35,13 +35,17 @@ pub fn encode_header(header: &KvHeader) -> Result<Vec<u8>, KvWireError> {
     let id = header.request_id.as_bytes();
     let id_len = u16::try_from(id.len())
         .map_err(|_| KvWireError::limit("request_id length", id.len() as u64, u16::MAX))?;
-    let body_len = usize::from(id_len).saturating_add(2 + HEADER_BODY_FIXED);
+    let flags = match header.trace {
+        Some(_) => FLAG_TRACE_CONTEXT,
+        None => 0,
+    };
+    let body_len = header_body_len(usize::from(id_len), flags);
     let body_len_u32 = u32::try_from(body_len)
         .map_err(|_| KvWireError::limit("header body_len", body_len as u64, u32::MAX))?;
     let mut out = Vec::with_capacity(body_len.saturating_add(HEADER_PREFIX_LEN + CRC_LEN));
     let mut w = FrameWriter::new(&mut out, &HEADER_TAG);
     w.put(&VERSION.to_le_bytes());
-    w.put(&0u16.to_le_bytes());
+    w.put(&flags.to_le_bytes());
     w.put(&body_len_u32.to_le_bytes());
     w.put(&id_len.to_le_bytes());
     w.put(id);
@@ -57,8 +61,21 @@ pub fn encode_header(header: &KvHeader) -> Result<Vec<u8>, KvWireError> {
         w.put(&dim.to_le_bytes());
     }
     w.put(&header.seed.to_le_bytes());
+    if let Some(t) = &header.trace {
+        w.put(&t.trace_id);
+        w.put(&t.span_id);
+        w.put(&[t.trace_flags]);
+    }
     w.finish();
     Ok(out)
+}
+
+/// Re-encodes one whole header frame with `trace` as its trace context: the
+/// transport adds its own span to the header an engine wrote.
+pub fn with_trace(header_frame: &[u8], trace: KvTraceContext) -> Result<Vec<u8>, KvWireError> {
+    let mut header = parse_header(strip_crc("header", header_frame)?)?;
+    header.trace = Some(trace);
+    encode_header(&header)
 }
 
 /// Appends a layer frame whose payload is already laid out: for each layer

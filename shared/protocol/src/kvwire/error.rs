@@ -28,8 +28,8 @@ pub enum KvWireError {
         /// The version this crate supports.
         supported: u16,
     },
-    /// The header's flags are not zero.
-    #[error("bad header flags {flags:#06x} (must be 0)")]
+    /// The header sets a flag this version does not know.
+    #[error("bad header flags {flags:#06x} (only 0x0001, trace context, is known)")]
     BadFlags {
         /// Flags found in the header.
         flags: u16,

@@ -1,7 +1,8 @@
 //! Frame layouts: sizes, field parsing and checksum verification.
 
+use super::types::KvTraceContext;
 use super::types::KvTrailer;
-use super::{KvDtype, KvHeader, KvWireError};
+use super::{KvDtype, KvHeader, KvWireError, FLAG_TRACE_CONTEXT};
 use super::{END_TAG, HEADER_TAG, LAYER_TAG, MAX_REQUEST_ID_LEN, MAX_TOP_LOGPROBS, VERSION};
 
 /// Trailing CRC32C of every frame.
@@ -12,10 +13,10 @@ pub(crate) const TAG_LEN: usize = 4;
 pub(crate) const HEADER_PREFIX_LEN: usize = 12;
 /// Header body after the request id: fingerprint, dtype, 4 dims, seed.
 pub(crate) const HEADER_BODY_FIXED: usize = 8 + 1 + 5 * 4 + 8;
+/// The trace context at the end of a header body with [`FLAG_TRACE_CONTEXT`].
+pub(crate) const TRACE_CONTEXT_LEN: usize = 16 + 8 + 1;
 /// Smallest header body (1-byte request id).
 pub(crate) const MIN_HEADER_BODY: usize = 2 + 1 + HEADER_BODY_FIXED;
-/// Largest header body (128-byte request id).
-pub(crate) const MAX_HEADER_BODY: usize = 2 + MAX_REQUEST_ID_LEN + HEADER_BODY_FIXED;
 /// Layer-frame tag and fixed fields, up to the payload.
 pub(crate) const LAYER_PREFIX_LEN: usize = 4 + 4 * 4 + 8;
 /// End-frame tag, first token, first logprob and n_top.
@@ -112,8 +113,18 @@ pub(crate) fn strip_crc<'a>(frame: &'static str, bytes: &'a [u8]) -> Result<&'a 
     Ok(covered)
 }
 
-/// Parses the header prefix and returns the validated `body_len`.
-pub(crate) fn parse_header_prefix(bytes: &[u8]) -> Result<usize, KvWireError> {
+/// The header's body length for a request id of `id_len` bytes and its flags.
+pub(crate) fn header_body_len(id_len: usize, flags: u16) -> usize {
+    let fixed = if flags & FLAG_TRACE_CONTEXT != 0 {
+        2 + HEADER_BODY_FIXED + TRACE_CONTEXT_LEN
+    } else {
+        2 + HEADER_BODY_FIXED
+    };
+    id_len.saturating_add(fixed)
+}
+
+/// Parses the header prefix and returns the validated `body_len` and flags.
+pub(crate) fn parse_header_prefix(bytes: &[u8]) -> Result<(usize, u16), KvWireError> {
     let mut r = Reader::new(bytes);
     let tag = r.array::<TAG_LEN>()?;
     if tag != HEADER_TAG {
@@ -127,16 +138,14 @@ pub(crate) fn parse_header_prefix(bytes: &[u8]) -> Result<usize, KvWireError> {
         });
     }
     let flags = r.u16()?;
-    if flags != 0 {
+    if flags & !FLAG_TRACE_CONTEXT != 0 {
         return Err(KvWireError::BadFlags { flags });
     }
     let body_len = r.u32()?;
-    if body_len as usize > MAX_HEADER_BODY {
-        return Err(KvWireError::limit(
-            "header body_len",
-            body_len,
-            MAX_HEADER_BODY as u64,
-        ));
+    // The largest body: a 128-byte request id (and the flags' fields).
+    let max = header_body_len(MAX_REQUEST_ID_LEN, flags);
+    if body_len as usize > max {
+        return Err(KvWireError::limit("header body_len", body_len, max as u64));
     }
     if (body_len as usize) < MIN_HEADER_BODY {
         return Err(KvWireError::BadLength {
@@ -145,16 +154,16 @@ pub(crate) fn parse_header_prefix(bytes: &[u8]) -> Result<usize, KvWireError> {
             got: u64::from(body_len),
         });
     }
-    Ok(body_len as usize)
+    Ok((body_len as usize, flags))
 }
 
 /// Parses a whole header frame (CRC already stripped). Does not apply limits.
 pub(crate) fn parse_header(bytes: &[u8]) -> Result<KvHeader, KvWireError> {
     let mut r = Reader::new(bytes);
-    let body_len = parse_header_prefix(r.bytes(HEADER_PREFIX_LEN)?)?;
+    let (body_len, flags) = parse_header_prefix(r.bytes(HEADER_PREFIX_LEN)?)?;
     let mut body = Reader::new(r.bytes(body_len)?);
     let id_len = usize::from(body.u16()?);
-    let expected = id_len.saturating_add(2 + HEADER_BODY_FIXED);
+    let expected = header_body_len(id_len, flags);
     if expected != body_len {
         return Err(KvWireError::BadLength {
             field: "header body_len",
@@ -174,6 +183,14 @@ pub(crate) fn parse_header(bytes: &[u8]) -> Result<KvHeader, KvWireError> {
         n_tokens: body.u32()?,
         start_token: body.u32()?,
         seed: body.u64()?,
+        trace: match flags & FLAG_TRACE_CONTEXT {
+            0 => None,
+            _ => Some(KvTraceContext {
+                trace_id: body.array()?,
+                span_id: body.array()?,
+                trace_flags: body.u8()?,
+            }),
+        },
     })
 }
 

@@ -33,6 +33,7 @@ impl KvShape {
             n_tokens,
             start_token,
             seed,
+            trace: None,
         }
     }
 

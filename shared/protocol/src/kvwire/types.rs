@@ -76,6 +76,24 @@ pub struct KvHeader {
     pub start_token: u32,
     /// Sampling seed of the request.
     pub seed: u64,
+    /// The sender's span (flag [`FLAG_TRACE_CONTEXT`]): the receiver's
+    /// spans for this stream join the sender's trace.
+    ///
+    /// [`FLAG_TRACE_CONTEXT`]: super::FLAG_TRACE_CONTEXT
+    pub trace: Option<KvTraceContext>,
+}
+
+/// A W3C Trace Context in binary form, as the header frame carries it: the
+/// fields of a `traceparent` (version 00) without the version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvTraceContext {
+    /// The trace's id; never all zeros.
+    pub trace_id: [u8; 16],
+    /// The id of the sender's span, the parent of the receiver's; never all
+    /// zeros.
+    pub span_id: [u8; 8],
+    /// The `traceparent` flags; bit 0 is `sampled`.
+    pub trace_flags: u8,
 }
 
 impl KvHeader {

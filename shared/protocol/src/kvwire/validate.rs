@@ -9,6 +9,7 @@ impl KvHeader {
     /// spaces (`0x21..=0x7e`); every dimension and `n_tokens` must be at
     /// least 1 and within its limit; and a frame of one layer and one token
     /// must fit in `limits.max_frame_bytes`, or no valid stream could exist.
+    /// A trace context's ids must not be all zeros (W3C's invalid ids).
     pub fn validate(&self, limits: &KvLimits) -> Result<(), KvWireError> {
         validate_request_id(&self.request_id)?;
         let dims = [
@@ -34,6 +35,14 @@ impl KvHeader {
                 self.start_token,
                 self.n_tokens,
             ));
+        }
+        if let Some(t) = &self.trace {
+            if t.trace_id == [0; 16] || t.span_id == [0; 8] {
+                return Err(KvWireError::invalid(
+                    "trace context",
+                    "trace_id and span_id must not be all zeros",
+                ));
+            }
         }
         if smallest > limits.max_frame_bytes {
             return Err(KvWireError::limit(

@@ -34,6 +34,7 @@ pub fn header(dtype: KvDtype, n_layers: u32, heads: u32, head_dim: u32, n_tokens
         n_tokens,
         start_token: 0,
         seed: 42,
+        trace: None,
     }
 }
 

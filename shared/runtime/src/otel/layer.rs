@@ -5,8 +5,9 @@
 //! `tracing-opentelemetry` conventions: `otel.name` (the span's name),
 //! `otel.kind` (`server`, `client`, `internal`), `otel.status_code`
 //! (`error` or `ok`), `otel.status_message`; `traceparent` (a remote parent,
-//! when the span is a process's first of the request) and `trace_id` (for
-//! the logs) are not exported. Events of the same target inside a span
+//! when the span is a process's first of the request, or recorded later
+//! into a span that has no parent) and `trace_id` (for the logs) are not
+//! exported. Events of the same target inside a span
 //! become its span events.
 
 use std::time::SystemTime;
@@ -109,11 +110,28 @@ impl SpanData {
                 }
             }
             "otel.status_message" => self.error = Some(plain(value)),
-            "traceparent" | "trace_id" => {}
+            "traceparent" => self.adopt(&plain(value)),
+            "trace_id" => {}
             _ => match self.attrs.iter_mut().find(|(k, _)| k == key) {
                 Some(slot) => slot.1 = value,
                 None => self.attrs.push((key.to_string(), value)),
             },
+        }
+    }
+
+    /// A root span given a `traceparent` after it started (the KV stream's
+    /// header frame) joins that trace, keeping its own span id; a span that
+    /// has a parent keeps it. Spans started under it before are not moved.
+    fn adopt(&mut self, traceparent: &str) {
+        if self.parent.is_some() {
+            return;
+        }
+        if let Some(remote) = SpanContext::parse(traceparent) {
+            self.ctx = SpanContext {
+                span_id: self.ctx.span_id,
+                ..remote
+            };
+            self.parent = Some(remote.span_id);
         }
     }
 
@@ -269,5 +287,52 @@ where
         if let Some(data) = data.filter(|d| d.ctx.sampled) {
             self.exporter.send(data.to_json(SystemTime::now()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(parent: Option<SpanContext>) -> SpanData {
+        SpanData {
+            ctx: parent.map_or_else(SpanContext::new_root, |p| p.child()),
+            parent: parent.map(|p| p.span_id),
+            name: "kv_receive".into(),
+            kind: SpanKind::Server,
+            start: SystemTime::now(),
+            attrs: Vec::new(),
+            events: Vec::new(),
+            error: None,
+        }
+    }
+
+    #[test]
+    fn a_root_adopts_a_later_traceparent_and_a_child_keeps_its_parent() {
+        let sender = SpanContext::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        let tp = AttrValue::Str(sender.unwrap().to_string());
+        let mut root = span(None);
+        let own = root.ctx.span_id;
+        root.set("traceparent", tp.clone());
+        assert_eq!(root.ctx.trace_hex(), "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(
+            (root.ctx.span_id, root.parent),
+            (own, Some(sender.unwrap().span_id))
+        );
+        assert!(root.attrs.is_empty(), "not exported as an attribute");
+
+        let caller = SpanContext::new_root();
+        let mut child = span(Some(caller));
+        child.set("traceparent", tp);
+        assert_eq!(child.ctx.trace_id, caller.trace_id);
+        assert_eq!(child.parent, Some(caller.span_id));
+
+        let mut unsampled = span(None);
+        let off = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
+        unsampled.set("traceparent", AttrValue::Str(off.into()));
+        assert!(!unsampled.ctx.sampled);
+        let mut garbage = span(None);
+        garbage.set("traceparent", AttrValue::Str("00-zz".into()));
+        assert_eq!(garbage.parent, None);
     }
 }

@@ -97,8 +97,9 @@ async fn receive<B: DecodeBackend>(
     let span = (pending.kv.cached() as u32, pending.prompt.len() as u32);
     let expected = server.backend.kv_shape().expected(request_id, span);
     let (tx, rx) = mpsc::channel::<Bytes>(CHUNK_BUFFER);
+    let call = tracing::Span::current();
     let importer = tokio::task::spawn_blocking(move || {
-        let imported = import_stream(&mut pending, &expected, rx);
+        let imported = import_stream(&mut pending, &expected, rx, &call);
         (pending, imported)
     });
     let read = forward(body, tx, server.net.kv_idle_timeout).await;
@@ -126,11 +127,13 @@ async fn forward(body: Body, tx: mpsc::Sender<Bytes>, idle: Duration) -> Result<
 }
 
 /// Decodes and imports the chunks into `pending.kv` until the end frame;
-/// returns the first token and the bytes read.
+/// returns the first token and the bytes read. A header's trace context
+/// joins `call` (the `kv_receive` span) to the sender's trace.
 fn import_stream<Kv: KvImport>(
     pending: &mut Pending<Kv>,
     expected: &ExpectedKv,
     mut chunks: mpsc::Receiver<Bytes>,
+    call: &tracing::Span,
 ) -> Result<(Sampled, u64), ErrorBody> {
     let n_tokens = pending.prompt.len();
     let mut decoder = KvStreamDecoder::new(KvLimits::default());
@@ -140,6 +143,9 @@ fn import_stream<Kv: KvImport>(
         for event in decoder.push(&chunk).map_err(ErrorBody::from)? {
             match event {
                 KvEvent::Header(h) => {
+                    if let Some(trace) = &h.trace {
+                        crate::trace::adopt_kv_context(call, trace);
+                    }
                     kvwire::validate_against(&h, expected).map_err(ErrorBody::from)?;
                     if h.n_tokens as usize != n_tokens {
                         let msg =
