@@ -29,10 +29,19 @@ def frame(body: bytes) -> bytes:
 
 
 def header(req=b"req-0001", fp=0x0123456789ABCDEF, dtype=1, layers=2, heads=2,
-           head_dim=4, tokens=4, start=0, seed=42) -> bytes:
+           head_dim=4, tokens=4, start=0, seed=42, trace=None, flags=None) -> bytes:
+    """A header frame; `trace` (25 bytes: trace id, span id, trace flags)
+    sets flag 1 unless `flags` says otherwise."""
     body = struct.pack("<H", len(req)) + req + struct.pack(
         "<QBIIIIIQ", fp, dtype, layers, heads, head_dim, tokens, start, seed)
-    return frame(b"PDKV" + struct.pack("<HHI", 2, 0, len(body)) + body)
+    if trace is not None:
+        body += trace
+    if flags is None:
+        flags = 0 if trace is None else 1
+    return frame(b"PDKV" + struct.pack("<HHI", 2, flags, len(body)) + body)
+
+
+TRACE = bytes(range(1, 17)) + bytes(range(0x21, 0x29)) + b"\x01"
 
 
 def layer(layer_start, layer_count, token_start, token_count, token_bytes, rng) -> bytes:
@@ -74,6 +83,12 @@ def kv_stream() -> None:
     tb32 = 2 * 4 * 4
     cached = header(dtype=0, start=2, seed=7) + layer(0, 2, 2, 2, tb32, rng) + end()
     write("kv_stream", "prefix-cached-f32", kv_input(0, cached, (40,)))
+    # The sender's trace context in the header (flag 1), and its bad forms:
+    # the flag without the bytes, and an all-zero span id.
+    write("kv_stream", "traced", kv_input(0, header(start=4, trace=TRACE) + end()))
+    write("kv_stream", "trace-flag-without-context", kv_input(0, header(flags=1) + end()))
+    zero_span = TRACE[:16] + bytes(8) + TRACE[24:]
+    write("kv_stream", "trace-zero-span", kv_input(0, header(start=4, trace=zero_span) + end()))
     # Everything cached: header then end.
     write("kv_stream", "all-cached", kv_input(0, header(start=4) + end(top=[(1, 0.0)])))
     # One token per chunk, one frame per layer, 20 top logprobs.

@@ -19,6 +19,9 @@
 # the router a share of the streams' tokens instead of all of them at once.
 # PIN=1 gives the router core 0 and everything else (mocks, load
 # generator) core 1, as a deployment would give the router its own core.
+# LOAD_ON="cmd args" starts the load generator under that command instead
+# (e.g. LOAD_ON="taskset -c 0 chrt -i 0": on the router's core, but only
+# when the router is idle), to see what sharing a core costs the mocks.
 # ROUTER_LOG and MOCK_LOG set the router's and the prefill mock's log
 # filters (default warn), e.g. MOCK_LOG=warn,hyper=debug to see why a
 # connection closed.
@@ -40,6 +43,8 @@ PACE_MS="${PACE_MS:-0}"
 C="${1:?concurrency (or any label, with RATE)}"; shift
 on_router=(); on_rest=()
 if [ "${PIN:-0}" = 1 ]; then on_router=(taskset -c 0); on_rest=(taskset -c 1); fi
+on_load=("${on_rest[@]}")
+if [ -n "${LOAD_ON:-}" ]; then read -r -a on_load <<<"$LOAD_ON"; fi
 if [ -n "${RATE:-}" ]; then load=(--rate "$RATE"); else load=(--concurrency "$C"); fi
 P=18401; R=18410; D0=18420; NDEC="${DECODE_WORKERS:-1}"
 [[ "$NDEC" =~ ^[1-9][0-9]?$ ]] || { echo "DECODE_WORKERS must be 1-99" >&2; exit 2; }
@@ -103,7 +108,7 @@ watch_fds() {
 watch_fds & pids+=($!)
 before=$(cpu); d_before=$(dcpu); p_before=$(cpu "$PREFILL")
 start=$(date +%s.%N)
-"${on_rest[@]}" "$BIN/pdserve-loadtest" run --url "http://127.0.0.1:$R" --no-progress "${load[@]}" \
+"${on_load[@]}" "$BIN/pdserve-loadtest" run --url "http://127.0.0.1:$R" --no-progress "${load[@]}" \
     --json "$OUT/run.json" "$@" & LOAD=$!
 load_cpu=0
 while kill -0 "$LOAD" 2>/dev/null; do load_cpu=$(cpu "$LOAD" 2>/dev/null || echo "$load_cpu"); sleep 0.2; done

@@ -372,17 +372,35 @@ async fn the_kv_header_frame_carries_the_trace_without_the_http_header() {
         "kv_destination": format!("{sink_url}/v1/internal/kv/{id}"),
         "deadline_ms": 30_000,
     });
-    let done = common::post(&prefill.url, "/v1/internal/prefill", &job).await;
-    prefill_outcome(done).await.expect("the KV was delivered");
-    let stream = kept.lock().unwrap().clone();
-    let mut decoder = KvStreamDecoder::new(KvLimits::default());
-    let header = match decoder.push(&stream).unwrap().into_iter().next() {
-        Some(KvEvent::Header(h)) => h,
-        other => panic!("no header frame: {other:?}"),
+    let header_of = |stream: &[u8]| {
+        let mut decoder = KvStreamDecoder::new(KvLimits::default());
+        match decoder.push(stream).unwrap().into_iter().next() {
+            Some(KvEvent::Header(h)) => h,
+            other => panic!("no header frame: {other:?}"),
+        }
     };
-    let carried = header
+    let done = common::post(&prefill.url, "/v1/internal/prefill", &job).await;
+    let result = prefill_outcome(done).await.expect("the KV was delivered");
+    let stream = std::mem::take(&mut *kept.lock().unwrap());
+    assert_eq!(
+        result.transfer_bytes,
+        stream.len() as u64,
+        "the context is counted"
+    );
+    let carried = header_of(&stream)
         .trace
         .expect("a traced job's header carries its context");
+
+    // `--kv-trace-context false` (for decode workers older than the flag)
+    // keeps it in the HTTP header only.
+    prefill_args.extend(["--kv-trace-context", "false"]);
+    let untraced_frame = start(mock, &prefill_args).await;
+    let done = common::post(&untraced_frame.url, "/v1/internal/prefill", &job).await;
+    let result = prefill_outcome(done).await.expect("the KV was delivered");
+    let plain = std::mem::take(&mut *kept.lock().unwrap());
+    assert_eq!(header_of(&plain).trace, None);
+    assert_eq!(result.transfer_bytes + 25, stream.len() as u64);
+    drop(untraced_frame);
 
     // The same stream, replayed to a real reservation without the header.
     let generate = json!({
@@ -415,22 +433,32 @@ async fn the_kv_header_frame_carries_the_trace_without_the_http_header() {
 
     let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
     let (trace, parent) = (hex(&carried.trace_id), hex(&carried.span_id));
-    let find = |svc: &'static str, name: &'static str| {
-        let all = got.lock().unwrap().clone();
-        all.into_iter().find(|s| s.service == svc && s.name == name)
+    // The first job's `kv_transfer` is the span whose ids the frame carries.
+    let spans = || got.lock().unwrap().clone();
+    let sent = |all: &[Span]| {
+        let found = all
+            .iter()
+            .find(|s| s.name == "kv_transfer" && s.id == parent);
+        found.cloned()
+    };
+    let received = |all: &[Span]| {
+        let found = all.iter().find(|s| s.name == "kv_receive");
+        found.cloned()
     };
     wait_until(Duration::from_secs(10), || async {
-        find("pdserve-mock-prefill", "kv_transfer").is_some()
-            && find("pdserve-mock-decode", "kv_receive").is_some()
+        let all = spans();
+        sent(&all).is_some() && received(&all).is_some()
     })
     .await;
-    let sent = find("pdserve-mock-prefill", "kv_transfer").expect("kv_transfer");
+    let all = spans();
+    let sent = sent(&all).unwrap_or_else(|| panic!("no kv_transfer {parent} in {all:#?}"));
     assert_eq!(
-        (sent.trace.as_str(), sent.id.as_str()),
-        (trace.as_str(), parent.as_str())
+        (sent.service.as_str(), sent.trace.as_str()),
+        ("pdserve-mock-prefill", trace.as_str())
     );
     assert_eq!(carried.trace_flags, 1, "sampled");
-    let received = find("pdserve-mock-decode", "kv_receive").expect("kv_receive");
+    let received = received(&all).expect("kv_receive");
+    assert_eq!(received.service, "pdserve-mock-decode");
     assert_eq!(received.trace, trace, "{received:?}");
     assert_eq!(received.parent.as_deref(), Some(parent.as_str()));
     drop((prefill, decode));

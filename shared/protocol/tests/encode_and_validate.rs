@@ -161,7 +161,7 @@ fn kinds_of_framing_errors_are_stable() {
             },
             "unsupported_version",
         ),
-        (KvWireError::BadFlags { flags: 1 }, "bad_flags"),
+        (KvWireError::BadFlags { flags: 2 }, "bad_flags"),
     ];
     for (err, kind) in errors {
         assert_eq!(err.kind(), kind);

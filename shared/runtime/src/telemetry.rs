@@ -128,6 +128,14 @@ impl<'w> FormatFields<'w> for LogFields {
     ) -> std::fmt::Result {
         let mut more = String::new();
         self.format_fields(Writer::new(&mut more), fields)?;
+        // A span that joined its caller's trace late (a KV stream's header
+        // frame) records `trace_id` again: the new one replaces the old.
+        if let Some(id) = more.strip_prefix("trace_id=") {
+            if let Some(old) = field_value(&current.fields, "trace_id=") {
+                current.fields.replace_range(old, id);
+                return Ok(());
+            }
+        }
         if !more.is_empty() {
             if !current.fields.is_empty() {
                 current.fields.push(' ');
@@ -136,6 +144,18 @@ impl<'w> FormatFields<'w> for LogFields {
         }
         Ok(())
     }
+}
+
+/// Where `key` (`name=`) starts a field of a formatted line, the range of
+/// its value (up to the next space).
+fn field_value(line: &str, key: &str) -> Option<std::ops::Range<usize>> {
+    let at = line
+        .match_indices(key)
+        .map(|(i, _)| i)
+        .find(|&i| i == 0 || line.as_bytes()[i - 1] == b' ')?;
+    let start = at + key.len();
+    let end = line[start..].find(' ').map_or(line.len(), |e| start + e);
+    Some(start..end)
 }
 
 #[cfg(test)]
@@ -154,6 +174,55 @@ mod tests {
 
     /// Spans below the log level (h2 makes one per frame) cost nothing:
     /// they are disabled, not made and then ignored by every layer.
+    /// A shared buffer the text log layer writes into.
+    #[derive(Clone, Default)]
+    struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_trace_id_recorded_again_replaces_the_old_one_in_text_logs() {
+        let buf = Buf::default();
+        let out = buf.clone();
+        // Only its own target: callsite interest is shared by the tests'
+        // subscribers, and the others check what is disabled.
+        const T: &str = "pdserve_log_fields_test";
+        let fmt = tracing_subscriber::fmt::layer()
+            .fmt_fields(LogFields)
+            .with_ansi(false)
+            .with_writer(move || out.clone())
+            .with_filter(Targets::new().with_target(T, tracing::Level::INFO));
+        let subscriber = tracing_subscriber::registry().with(fmt);
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!(
+                target: T,
+                "call",
+                trace_id = "aaaa",
+                request_id = tracing::field::Empty,
+                x_trace_id = "keep"
+            );
+            span.record("request_id", "r1");
+            span.record("trace_id", "bbbb");
+            span.in_scope(|| tracing::info!(target: T, "inside"));
+        });
+        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        assert!(text.contains("trace_id=bbbb"), "{text}");
+        assert!(!text.contains("aaaa"), "{text}");
+        assert_eq!(text.matches("trace_id=bbbb").count(), 1, "{text}");
+        assert!(
+            text.contains("request_id=r1") && text.contains("x_trace_id=keep"),
+            "{text}"
+        );
+    }
+
     #[test]
     fn spans_no_layer_wants_are_disabled() {
         let subscriber = tracing_subscriber::registry().with(layers(&args("info", None), "t"));

@@ -112,6 +112,9 @@ pub fn adopt_kv_context(span: &Span, trace: &KvTraceContext) {
         span_id: trace.span_id,
         sampled: trace.trace_flags & 1 == 1,
     };
+    let before = otel::context(span).map(|c| c.trace_id);
     span.record("traceparent", sender.to_string().as_str());
-    otel::tag_logs(span);
+    if otel::context(span).map(|c| c.trace_id) != before {
+        otel::tag_logs(span);
+    }
 }

@@ -24,8 +24,14 @@ fn with_span_context(frame: Bytes) -> Bytes {
     }
 }
 
+/// What [`upload`] sent beyond the engine's frames: the trace context it
+/// added to the header, in bytes.
+pub type AddedBytes = u64;
+
 /// Streams `frames` to `url` until the sender side closes; the decode
 /// worker's error, when it refuses the stream, is returned as it sent it.
+/// With `trace_context`, the header frame carries the current span's trace
+/// context (docs/tracing.md); the bytes that adds are returned.
 /// The POST starts with the first frame, once the engine has started the
 /// job: a job waiting in the queue holds no connection that the decode
 /// worker would see as a silent upload (`--kv-idle-timeout-ms`).
@@ -33,14 +39,20 @@ pub async fn upload(
     client: &reqwest::Client,
     url: &str,
     mut frames: FrameReceiver,
-) -> Result<(), ErrorBody> {
+    trace_context: bool,
+) -> Result<AddedBytes, ErrorBody> {
     let Some(first) = frames.recv().await else {
         return Err(ErrorBody::retryable(
             ErrorKind::KvUploadFailed,
             "the job ended before its first KV frame",
         ));
     };
-    let first = with_span_context(first);
+    let engine_len = first.len();
+    let first = match trace_context {
+        true => with_span_context(first),
+        false => first,
+    };
+    let added = first.len().saturating_sub(engine_len) as u64;
     let rest = futures_util::stream::poll_fn(move |cx| frames.poll_recv(cx));
     let stream = futures_util::stream::once(std::future::ready(first))
         .chain(rest)
@@ -61,7 +73,7 @@ pub async fn upload(
             )
         })?;
     if resp.status().is_success() {
-        return Ok(());
+        return Ok(added);
     }
     let status = resp.status();
     match resp.json::<ErrorBody>().await {

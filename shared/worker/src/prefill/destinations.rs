@@ -38,6 +38,12 @@ pub struct DestinationArgs {
     /// that the job fails (retryable) instead of stalling its batch.
     #[arg(long, env = "PDSERVE_KV_UPLOAD_BUFFER_BYTES", default_value_t = DEFAULT_BUFFER_BYTES)]
     pub kv_upload_buffer_bytes: u64,
+    /// Carry a traced job's trace context in its KV stream's header frame
+    /// too (it always goes in the HTTP header). Decode workers older than
+    /// the frame's trace flag refuse such a stream (`bad_flags`): set it to
+    /// false while they are upgraded.
+    #[arg(long, env = "PDSERVE_KV_TRACE_CONTEXT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub kv_trace_context: bool,
 }
 
 /// Looked-up destinations are trusted this long, then looked up again.
@@ -188,6 +194,7 @@ mod tests {
             decode_dns: None,
             max_job_seconds: 120,
             kv_upload_buffer_bytes: DEFAULT_BUFFER_BYTES,
+            kv_trace_context: true,
         }
     }
 

@@ -216,26 +216,29 @@ async fn deliver<B: PrefillBackend>(
     let upload_started = Instant::now();
     let span = crate::trace::kv_transfer(url);
     let uploading = async {
-        let sent = upload(&server.client, url, frames).await;
+        let sent = upload(&server.client, url, frames, server.net.kv_trace_context).await;
         if let Err(e) = &sent {
             crate::trace::record_error(&tracing::Span::current(), &e.message);
         }
-        sent?;
-        Ok::<Instant, ErrorBody>(Instant::now())
+        Ok::<_, ErrorBody>((Instant::now(), sent?))
     }
     .instrument(span);
     let (computed, uploaded) = tokio::join!(reply, uploading);
     let computed = computed.map_err(|_| {
         ErrorBody::retryable(ErrorKind::EngineStopped, "the prefill engine stopped")
     })?;
-    let (computed, acked) = match (computed, uploaded) {
-        (Ok(c), Ok(acked)) => (c, acked),
+    let (mut computed, (acked, added)) = match (computed, uploaded) {
+        (Ok(c), Ok(done)) => (c, done),
         // The engine stopped because the upload did: the upload's error
         // says why (the decode worker's own answer, when it refused).
         (Err(e), Err(upload)) if e.kind == ErrorKind::KvUploadFailed => return Err(upload),
         (Err(e), _) | (Ok(_), Err(e)) => return Err(e),
     };
+    // The header's trace context is sent too: count it as the decode
+    // worker does.
+    computed.bytes += added;
     let m = &server.metrics;
+    m.kv_transfer_bytes.inc_by(added);
     m.kv_transfer_seconds
         .observe((acked - upload_started).as_secs_f64());
     let tail = acked.saturating_duration_since(computed.finished_at);

@@ -97,6 +97,8 @@ pub struct PrefillNet {
     pub destinations: Destinations,
     pub max_job: Duration,
     pub upload_buffer_bytes: u64,
+    /// Whether the KV stream's header frame carries the trace context.
+    pub kv_trace_context: bool,
 }
 
 impl PrefillNet {
@@ -116,6 +118,7 @@ impl PrefillNet {
             destinations,
             max_job: Duration::from_secs(args.max_job_seconds.max(1)),
             upload_buffer_bytes: args.kv_upload_buffer_bytes,
+            kv_trace_context: args.kv_trace_context,
         })
     }
 }
