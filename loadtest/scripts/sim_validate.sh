@@ -21,6 +21,13 @@
 # (`pdserve_prefill_seconds`, `pdserve_prompt_tokens_total`) and mean decode
 # step (`pdserve_decode_step_seconds`, `pdserve_decode_batch_size`) over the
 # fitted model's, applied to the engine profile (correct_profile.py).
+# CORRECT_FROM=DIR (with CORRECT=1) takes each rate's corrected profile from
+# an earlier run's output folder (its PDSERVE_VALIDATE_OUT) instead: out of
+# sample, e.g. 1 + 1's corrections used for 2 + 2.
+#
+# SIM_ARGS adds flags to the simulator only, e.g. SIM_ARGS="--cores 2
+# --pin-workers" for real workers that share two cores, pinned as this
+# script pins them (decode workers first, then prefill, round robin).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BIN="${PDSERVE_BIN:-$ROOT/target/release}"
@@ -77,6 +84,7 @@ if [ "${REAL:-0}" = 1 ]; then # warm the workers up before measuring
     done
 fi
 IFS=, read -ra rates <<<"$RATES"
+sim_args=(); [ -n "${SIM_ARGS:-}" ] && read -ra sim_args <<<"$SIM_ARGS"
 # A fresh workload seed for each rate (unless one is given): the workers'
 # prefix caches still hold the last rate's prompts, the simulator's do not.
 seeded=0; for a in "$@"; do [ "$a" = --seed ] && seeded=1; done
@@ -92,14 +100,18 @@ for rate in "${rates[@]}"; do
     "$BIN/pdserve-loadtest" run --url "http://127.0.0.1:$R" --rate "$rate" --no-progress \
         --json "$OUT/run-$rate.json" "${seed[@]}" "$@" >/dev/null
     "$BIN/pdserve-loadtest" simulate --prefill-workers "$P" --decode-workers "$D" \
-        --rate "$rate" --no-progress --json "$OUT/sim-$rate.json" "${seed[@]}" "$@" >/dev/null
+        --rate "$rate" --no-progress --json "$OUT/sim-$rate.json" "${seed[@]}" "${sim_args[@]}" "$@" >/dev/null
     if [ "${CORRECT:-0}" = 1 ]; then
         scrape >"$OUT/after-$rate.json"
-        python3 "$ROOT/loadtest/scripts/correct_profile.py" "$PDSERVE_MOCK_FIT_FROM" \
-            "$OUT/before-$rate.json" "$OUT/after-$rate.json" "$OUT/engine-$rate.json"
+        if [ -n "${CORRECT_FROM:-}" ]; then
+            cp "$CORRECT_FROM/engine-$rate.json" "$OUT/engine-$rate.json"
+        else
+            python3 "$ROOT/loadtest/scripts/correct_profile.py" "$PDSERVE_MOCK_FIT_FROM" \
+                "$OUT/before-$rate.json" "$OUT/after-$rate.json" "$OUT/engine-$rate.json"
+        fi
         PDSERVE_MOCK_FIT_FROM="$OUT/engine-$rate.json" "$BIN/pdserve-loadtest" simulate \
             --prefill-workers "$P" --decode-workers "$D" --rate "$rate" --no-progress \
-            --json "$OUT/corrected-$rate.json" "${seed[@]}" "$@" >/dev/null
+            --json "$OUT/corrected-$rate.json" "${seed[@]}" "${sim_args[@]}" "$@" >/dev/null
     fi
 done
 python3 - "$OUT" "$P" "$D" "${rates[@]}" <<'EOF'

@@ -111,6 +111,17 @@ pub struct ClusterArgs {
     /// about 2 ms over its model, docs/simulator.md).
     #[arg(long, env = "PDSERVE_SIM_STEP_OVERHEAD_MS", default_value_t = 0.0)]
     pub step_overhead_ms: f64,
+    /// Cores all the workers share, as local workers on one machine do: a
+    /// worker's compute slows to `cores / busy` of its speed while more
+    /// workers than cores compute at once (default: each worker has cores
+    /// of its own; the latency model is one worker's alone).
+    #[arg(long, env = "PDSERVE_SIM_CORES")]
+    pub cores: Option<f64>,
+    /// With `--cores`: worker `k` (decode workers first, then prefill
+    /// workers) is pinned to core `k mod cores` and shares only that one, as
+    /// `sim_validate.sh` starts real workers.
+    #[arg(long, env = "PDSERVE_SIM_PIN_WORKERS", requires = "cores")]
+    pub pin_workers: bool,
     /// Milliseconds between a worker's prefix digests (the router's health poll).
     #[arg(long, env = "PDSERVE_SIM_HEARTBEAT_MS", default_value_t = 1000.0)]
     pub heartbeat_ms: f64,
@@ -171,6 +182,9 @@ impl ClusterArgs {
         if self.link_gbps.is_some_and(|g| !(g.is_finite() && g > 0.0)) {
             bail!("--link-gbps must be positive");
         }
+        if self.cores.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
+            bail!("--cores must be positive");
+        }
         let latency = self.latency.model().context("the latency model")?;
         let dtype: KvDtype = self.decode.kv.kv_cache_dtype;
         let per_token = self
@@ -213,6 +227,8 @@ impl ClusterArgs {
             heartbeat: self.heartbeat_ms / 1e3,
             cache_generated: self.cache_generated.is_on(),
             keep_itl: true,
+            cores: self.cores,
+            pin_workers: self.pin_workers,
         })
     }
 }

@@ -293,3 +293,40 @@ fn more_decode_workers_serve_more_at_saturation() {
     );
     assert!(two > one * 1.5, "{one} against {two}");
 }
+
+/// Two prefills at once: on cores of their own each takes its model time;
+/// sharing one core (`--cores 1`) each takes twice that, and 1.5 cores
+/// 4/3 of it. Two cores are as good as their own.
+#[test]
+fn workers_sharing_cores_slow_each_other_down() {
+    let ttfts = |cores: Option<&str>| {
+        let mut flags = vec!["--mode=disaggregated"];
+        flags.extend(cores);
+        let c = cfg(2, 2, &flags);
+        let mut sim = Sim::new(c);
+        sim.submit_at(0.0, request(0, (0..100).collect(), 1));
+        sim.submit_at(0.0, request(1, (1000..1100).collect(), 1));
+        let done = drain(&mut sim);
+        assert_eq!(done.len(), 2);
+        assert!(done.iter().all(|f| f.error.is_none()), "{done:?}");
+        done.iter()
+            .map(|f| f.first.unwrap() - f.start)
+            .collect::<Vec<_>>()
+    };
+    let alone = cfg(2, 2, &[]).latency.prefill(100).as_secs_f64();
+    for (cores, factor) in [
+        (None, 1.0),
+        (Some("--cores=2"), 1.0),
+        (Some("--cores=1"), 2.0),
+        (Some("--cores=1.5"), 4.0 / 3.0),
+    ] {
+        let got = ttfts(cores);
+        assert!(
+            got.iter().all(|t| close(*t, alone * factor)),
+            "{cores:?}: {got:?}, alone {alone}"
+        );
+    }
+    let bad = ["pdserve-loadtest", "--cores=0", "--concurrency=1"];
+    let parsed = Cli::try_parse_from(bad).unwrap().sim;
+    assert!(parsed.cluster.config().is_err());
+}

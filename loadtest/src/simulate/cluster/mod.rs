@@ -21,9 +21,12 @@
 //! KV crosses a link of `bandwidth` and one-way `latency`: it streams layer
 //! by layer while the prompt is computed, so what shows is the last layer's
 //! share (or the whole transfer, when the link is slower than the compute).
-//! Links do not contend with one another. The router's dispatch and each
-//! pool's schedule, event by event, are in `pools.rs`.
+//! Links do not contend with one another. Workers compute on cores of
+//! their own, or with `--cores` share that many cores among all of them
+//! (`cores.rs`). The router's dispatch and each pool's schedule, event by
+//! event, are in `pools.rs`.
 
+mod cores;
 mod placement;
 mod pools;
 
@@ -36,6 +39,7 @@ use pdserve_router::config::{Mode, PolicyKind, Spill};
 use pdserve_router::policy::{self, prefix::PrefixTuning};
 use pdserve_worker::kv::KvArgs;
 
+use cores::SharedCores;
 use placement::{Cache, Placement};
 
 /// The fingerprint the simulated caches hash blocks with (any constant:
@@ -78,6 +82,11 @@ pub struct ClusterCfg {
     pub cache_generated: bool,
     /// Keep every inter-token gap (memory grows with the tokens generated).
     pub keep_itl: bool,
+    /// Cores every worker shares (`None`: each worker has its own).
+    pub cores: Option<f64>,
+    /// With `cores`: worker `k` (decode workers first, then prefill) is
+    /// pinned to core `k % cores` and shares only that one.
+    pub pin_workers: bool,
 }
 
 /// The network between the pools.
@@ -161,6 +170,8 @@ enum Kind {
     KvArrived(usize),
     ChunkDone(usize),
     StepDone(usize),
+    /// The next compute on shared cores ends (this generation's event).
+    CoresDone(u64),
     Heartbeat,
 }
 
@@ -208,8 +219,6 @@ struct Seq {
     first: Option<f64>,
     last: f64,
     itl: Vec<f64>,
-    /// The KV's arrival time once its prefill job runs.
-    kv_at: f64,
 }
 
 impl Seq {
@@ -220,9 +229,19 @@ impl Seq {
 
 struct PrefillWorker {
     queue: VecDeque<usize>,
-    running: Option<usize>,
+    running: Option<Running>,
     queued_tokens: u64,
     cache: Cache,
+}
+
+/// A prefill job in progress.
+struct Running {
+    seq: usize,
+    started: f64,
+    /// Prompt tokens its KV stream carries.
+    sent: usize,
+    /// Tokens in its last chunk (the last layer's frame follows the compute).
+    last_chunk: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -258,6 +277,7 @@ pub struct Sim {
     placement: [Placement; 2],
     out: VecDeque<Output>,
     totals: Totals,
+    cores: Option<SharedCores>,
 }
 
 const PREFILL: usize = 0;
@@ -301,7 +321,9 @@ impl Sim {
                 block,
             ),
         ];
+        let cores = cfg.cores.map(|n| SharedCores::new(n, cfg.pin_workers));
         let mut sim = Self {
+            cores,
             cfg,
             now: 0.0,
             counter: 0,
@@ -358,7 +380,6 @@ impl Sim {
             first: None,
             last: t,
             itl: Vec::with_capacity(gaps),
-            kv_at: t,
         };
         let slot = match self.free.pop() {
             Some(i) => {
@@ -392,16 +413,59 @@ impl Sim {
             let ev = self.events.pop()?;
             self.now = ev.t;
             self.totals.events += 1;
-            match ev.kind {
-                Kind::Dispatch(s) => self.dispatch(s),
-                Kind::Wake(token) => self.out.push_back(Output::Wake(token)),
-                Kind::PrefillDone(p) => self.prefill_done(p),
-                Kind::KvArrived(s) => self.kv_arrived(s),
-                Kind::ChunkDone(w) => self.chunk_done(w),
-                Kind::StepDone(w) => self.step_done(w),
-                Kind::Heartbeat => self.heartbeat(),
+            self.fire(ev.kind);
+        }
+    }
+
+    fn fire(&mut self, kind: Kind) {
+        match kind {
+            Kind::Dispatch(s) => self.dispatch(s),
+            Kind::Wake(token) => self.out.push_back(Output::Wake(token)),
+            Kind::PrefillDone(p) => self.prefill_done(p),
+            Kind::KvArrived(s) => self.kv_arrived(s),
+            Kind::ChunkDone(w) => self.chunk_done(w),
+            Kind::StepDone(w) => self.step_done(w),
+            Kind::CoresDone(generation) => self.cores_done(generation),
+            Kind::Heartbeat => self.heartbeat(),
+        }
+    }
+
+    /// `done` after `secs` of a worker's compute: on cores of its own, or
+    /// on the shared ones (`--cores`), as fast as their sharing allows.
+    fn compute(&mut self, secs: f64, done: Kind) {
+        let now = self.now;
+        // Decode workers take the first slots, prefill workers the next.
+        let slot = match done {
+            Kind::PrefillDone(p) => self.decode.len() + p,
+            Kind::ChunkDone(w) | Kind::StepDone(w) => w,
+            _ => 0,
+        };
+        match self.cores.as_mut() {
+            None => self.schedule(now + secs, done),
+            Some(cores) => {
+                cores.start(now, secs, done, slot);
+                self.next_on_cores();
             }
         }
+    }
+
+    fn next_on_cores(&mut self) {
+        let now = self.now;
+        if let Some((t, generation)) = self.cores.as_mut().and_then(|c| c.next_completion(now)) {
+            self.schedule(t, Kind::CoresDone(generation));
+        }
+    }
+
+    fn cores_done(&mut self, generation: u64) {
+        let now = self.now;
+        let done = match self.cores.as_mut() {
+            Some(c) if c.is_current(generation) => c.finished(now),
+            _ => return,
+        };
+        for kind in done {
+            self.fire(kind);
+        }
+        self.next_on_cores();
     }
 
     fn seq(&self, s: usize) -> &Seq {

@@ -5,7 +5,7 @@ use pdserve_router::dispatch::placement::spills;
 use pdserve_router::policy::RequestInfo;
 
 use super::placement::extend_hashes;
-use super::{Finished, Kind, Output, Phase, Sim, DECODE, PREFILL};
+use super::{Finished, Kind, Output, Phase, Running, Sim, DECODE, PREFILL};
 
 impl Sim {
     /// The router: a decode worker with room for the reservation, then
@@ -137,28 +137,33 @@ impl Sim {
         };
         let own = self.prefill[p].cache.lookup(self.seq(s));
         let compute = self.cfg.latency.prefill(n - own).as_secs_f64();
-        let finish = self.now + compute;
         // Rows from `from` on: cached ones at once, computed ones as they come.
         let sent = n - from;
         let last_chunk = match (n - own) % self.cfg.chunk_tokens.max(1) {
             0 => self.cfg.chunk_tokens.max(1),
             r => r,
         };
-        let kv_at = self.cfg.link.arrival((self.now, finish), sent, last_chunk);
         self.totals.prefill_tokens_computed += (n - own) as u64;
         self.totals.kv_bytes_sent += sent as f64 * self.cfg.link.kv_bytes_per_token;
-        self.seq_mut(s).kv_at = kv_at;
-        self.prefill[p].running = Some(s);
-        self.schedule(finish, Kind::PrefillDone(p));
+        self.prefill[p].running = Some(Running {
+            seq: s,
+            started: self.now,
+            sent,
+            last_chunk,
+        });
+        self.compute(compute, Kind::PrefillDone(p));
     }
 
     pub(super) fn prefill_done(&mut self, p: usize) {
-        let Some(s) = self.prefill[p].running.take() else {
+        let Some(job) = self.prefill[p].running.take() else {
             return;
         };
+        let s = job.seq;
         let seq = self.seqs[s].as_ref().expect("a live sequence");
         self.prefill[p].cache.insert(&seq.hashes);
-        let (n, kv_at) = (seq.req.prompt.len() as u64, seq.kv_at);
+        let n = seq.req.prompt.len() as u64;
+        let computed = (job.started, self.now);
+        let kv_at = self.cfg.link.arrival(computed, job.sent, job.last_chunk);
         self.prefill[p].queued_tokens -= n;
         self.schedule(kv_at, Kind::KvArrived(s));
         self.start_prefill(p);
@@ -234,7 +239,7 @@ impl Sim {
                 let t = self.cfg.latency.prefill(chunk).as_secs_f64();
                 self.decode[w].phase = Phase::Chunk(s, chunk);
                 self.totals.local_tokens_computed += chunk as u64;
-                return self.schedule(self.now + t, Kind::ChunkDone(w));
+                return self.compute(t, Kind::ChunkDone(w));
             }
         }
         self.admit_and_step(w);
@@ -279,7 +284,7 @@ impl Sim {
         let t = self.cfg.latency.step(d.active.len(), ctx).as_secs_f64() + self.cfg.step_overhead;
         self.decode[w].phase = Phase::Step;
         self.totals.decode_steps += 1;
-        self.schedule(self.now + t, Kind::StepDone(w));
+        self.compute(t, Kind::StepDone(w));
     }
 
     pub(super) fn step_done(&mut self, w: usize) {
