@@ -124,6 +124,19 @@ fn print_tree(spans: &[Span], id: &str, depth: usize, out: &mut String) {
     }
 }
 
+/// A traced mock worker's flags: `pool`, exporting to `otlp`, its latency
+/// model scaled by `scale`.
+fn mock_args<'a>(
+    pool: &'a str,
+    model: &'a TinyModel,
+    otlp: &'a str,
+    scale: &'a str,
+) -> Vec<&'a str> {
+    let mut a = vec!["--pool", pool, "--port", "0", "--model", model.arg()];
+    a.extend(["--otlp-endpoint", otlp, "--latency-scale", scale]);
+    a
+}
+
 async fn start(exe: &str, args: &[&str]) -> WorkerProcess {
     WorkerProcess::start(exe, args, WAIT).await
 }
@@ -136,13 +149,7 @@ async fn one_request_is_one_trace_across_the_three_processes() {
     let mock = mock.to_str().unwrap();
     let model = TinyModel::new();
     let (otlp, got) = receiver().await;
-    let traced = ["--otlp-endpoint", otlp.as_str()];
-    let worker = |pool: &'static str| {
-        let mut a = vec!["--pool", pool, "--port", "0", "--model", model.arg()];
-        a.extend(traced);
-        a.extend(["--latency-scale", "0.1"]);
-        a
-    };
+    let worker = |pool| mock_args(pool, &model, &otlp, "0.1");
     let decode = start(mock, &worker("decode")).await;
     let known = format!("--decode-url={}", decode.url);
     let mut prefill_args = worker("prefill");
@@ -153,7 +160,7 @@ async fn one_request_is_one_trace_across_the_three_processes() {
         format!("--decode-url={}", decode.url),
     );
     let mut router_args = vec!["--mode", "disaggregated", &p, &d];
-    router_args.extend(traced);
+    router_args.extend(["--otlp-endpoint", otlp.as_str()]);
     let router = common::process::router_process(&model, &router_args).await;
     wait_ready(&router.url).await;
 
@@ -338,11 +345,7 @@ async fn the_kv_header_frame_carries_the_trace_without_the_http_header() {
     let mock = mock.to_str().unwrap();
     let model = TinyModel::new();
     let (otlp, got) = receiver().await;
-    let worker = |pool: &'static str| {
-        let mut a = vec!["--pool", pool, "--port", "0", "--model", model.arg()];
-        a.extend(["--otlp-endpoint", otlp.as_str(), "--latency-scale", "0"]);
-        a
-    };
+    let worker = |pool| mock_args(pool, &model, &otlp, "0");
     let decode = start(mock, &worker("decode")).await;
     // A stand-in decode worker that keeps the stream the prefill worker sends.
     let kept = Arc::new(Mutex::new(Vec::new()));
