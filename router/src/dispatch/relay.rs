@@ -130,7 +130,17 @@ impl Relay {
     pub(super) async fn run(mut self, mut pump: Pump) {
         loop {
             let (err, reason) = match pump.run(&mut self.out).await {
-                End::Done => return,
+                End::Done => {
+                    // The client's connection task was just woken with the
+                    // last event, into the slot tokio runs next. Tearing the
+                    // attempt down (the worker's stream) wakes the worker
+                    // connection's task, which takes that slot and sends the
+                    // client's behind every other stream's token of the
+                    // decode step: milliseconds at a thousand streams.
+                    // Yielding first lets the last event go out.
+                    tokio::task::yield_now().await;
+                    return;
+                }
                 End::Failed(err, reason) => (err, reason),
             };
             let left = pump.url().to_string();
