@@ -175,6 +175,11 @@ pub struct Args {
     /// Largest request body in bytes (413 above).
     #[arg(long, env = "PDSERVE_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
+    /// Memory for the tokens of long prompt segments that recur (a shared
+    /// system prompt, a chat's earlier turns), in MiB, so they are not
+    /// tokenized again; 0: none.
+    #[arg(long, env = "PDSERVE_TOKENIZER_CACHE_MB", default_value_t = 64)]
+    pub tokenizer_cache_mb: usize,
     /// Requests in flight at most; more get 429 with `Retry-After`.
     #[arg(long, env = "PDSERVE_MAX_CONCURRENT_REQUESTS", default_value_t = 4096)]
     pub max_concurrent_requests: usize,
@@ -266,6 +271,8 @@ pub struct MigrationConfig {
 #[derive(Debug, Clone)]
 pub struct Limits {
     pub max_body_bytes: usize,
+    /// The tokenizer's segment cache, in bytes (0: none).
+    pub tokenizer_cache_bytes: usize,
     pub max_concurrent_requests: usize,
     pub default_max_tokens: u32,
     pub max_n: u32,
@@ -343,6 +350,7 @@ impl Args {
     pub fn limits(&self) -> Limits {
         Limits {
             max_body_bytes: self.max_body_bytes,
+            tokenizer_cache_bytes: self.tokenizer_cache_mb.saturating_mul(1 << 20),
             max_concurrent_requests: self.max_concurrent_requests,
             default_max_tokens: self.default_max_tokens,
             max_n: self.max_n,

@@ -55,7 +55,8 @@ impl Frontend {
         // One read of the header (it holds the whole vocabulary) for both.
         let header = pdserve_text::gguf::Header::read_file(path)
             .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
-        let tokenizer = Arc::new(Tokenizer::from_gguf(&header)?);
+        let tokenizer = Tokenizer::from_gguf(&header)?;
+        let tokenizer = Arc::new(tokenizer.with_segment_cache(limits.tokenizer_cache_bytes)?);
         let config = ModelConfig::from_gguf(&header)?;
         let recommended = ModelSamplingDefaults::from_gguf(&header)?;
         drop(header);

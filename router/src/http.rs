@@ -314,6 +314,8 @@ async fn ready(State(s): State<Arc<AppState>>) -> StatusCode {
 }
 
 async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
+    s.metrics
+        .record_tokenizer(s.frontend.tokenizer.segment_stats());
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         s.metrics.render(&s.registry),

@@ -32,6 +32,35 @@ pub struct RouterMetrics {
     pub pools: PoolMetrics,
     /// The load offered to the router (`planned` autoscaling's input).
     pub offered: crate::autoscaler::planned::OfferedLoad,
+    tokenizer_cache: TokenizerCacheMetrics,
+}
+
+/// The tokenizer's segment cache, copied from its own counts at each scrape.
+struct TokenizerCacheMetrics {
+    hits: IntCounter,
+    misses: IntCounter,
+    bytes: IntGauge,
+    /// Serialises the copies, so that two scrapes do not add a delta twice.
+    copy: std::sync::Mutex<()>,
+}
+
+impl TokenizerCacheMetrics {
+    fn new(r: &Registry) -> Self {
+        Self {
+            hits: m::counter(r, m::TOKENIZER_CACHE_HITS_TOTAL, "Long prompt segments whose tokens the router's tokenizer cache held."),
+            misses: m::counter(r, m::TOKENIZER_CACHE_MISSES_TOTAL, "Long prompt segments the router tokenized (the cache keeps one on its second sighting)."),
+            bytes: m::int_gauge(r, m::TOKENIZER_CACHE_BYTES, "Bytes of text and tokens in the router's tokenizer cache."),
+            copy: std::sync::Mutex::default(),
+        }
+    }
+
+    fn record(&self, s: pdserve_text::segments::SegmentStats) {
+        let _copy = self.copy.lock().unwrap_or_else(|p| p.into_inner());
+        self.hits.inc_by(s.hits.saturating_sub(self.hits.get()));
+        self.misses
+            .inc_by(s.misses.saturating_sub(self.misses.get()));
+        self.bytes.set(s.bytes as i64);
+    }
 }
 
 /// Streams moved to another decode worker mid-generation.
@@ -172,6 +201,7 @@ impl RouterMetrics {
             migration: MigrationMetrics::new(&r),
             pools: PoolMetrics::new(&r),
             offered: Default::default(),
+            tokenizer_cache: TokenizerCacheMetrics::new(&r),
             registry: r,
         }
     }
@@ -196,6 +226,13 @@ impl RouterMetrics {
                     .with_label_values(&[label, health.label()])
                     .set(n as i64);
             }
+        }
+    }
+
+    /// Copies the tokenizer's segment-cache counts (when it has a cache).
+    pub fn record_tokenizer(&self, stats: Option<pdserve_text::segments::SegmentStats>) {
+        if let Some(s) = stats {
+            self.tokenizer_cache.record(s);
         }
     }
 

@@ -274,6 +274,7 @@ mod tests {
     fn limits() -> Limits {
         Limits {
             max_body_bytes: 1 << 20,
+            tokenizer_cache_bytes: 0,
             max_concurrent_requests: 10,
             default_max_tokens: 16,
             max_n: 4,

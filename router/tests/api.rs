@@ -340,3 +340,42 @@ async fn tokenize_detokenize_and_models() {
         "{metrics}"
     );
 }
+
+/// A long system prompt's tokens are kept after its second request and
+/// found on the third; the prompt tokenizes the same every time, and
+/// `/metrics` counts the hit. With `--tokenizer-cache-mb 0` nothing is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recurring_system_prompt_is_tokenized_once_kept() {
+    let system = "Answer briefly and cite the rules 1-9. ".repeat(8);
+    let body = |question: &str| {
+        json!({"messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ]})
+    };
+    for (cache_mb, hits) in [("64", 1.0), ("0", 0.0)] {
+        let c = cluster(Opts {
+            router_args: &["--tokenizer-cache-mb", cache_mb],
+            ..Opts::default()
+        })
+        .await;
+        let mut counts = Vec::new();
+        for question in ["one?", "two?", "one?"] {
+            let (status, v) = post_json(&c.url, "/tokenize", &body(question)).await;
+            assert_eq!(status, 200, "{v}");
+            counts.push(v["tokens"].clone());
+        }
+        assert_eq!(counts[0], counts[2], "the same prompt, the same tokens");
+        assert!(counts[0].as_array().unwrap().len() > 300);
+        let series = "pdserve_tokenizer_cache_hits_total";
+        let metrics = pdserve_testkit::http::metrics(&c.url).await;
+        let found = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok());
+        assert_eq!(
+            found,
+            Some(hits),
+            "--tokenizer-cache-mb {cache_mb}: {metrics}"
+        );
+    }
+}

@@ -43,6 +43,10 @@ pub const MIGRATION_LOST_SECONDS: &str = "pdserve_migration_lost_seconds";
 pub const LOCAL_PREFILLS_TOTAL: &str = "pdserve_local_prefills_total";
 // The autoscaler's signals and decision (router).
 pub const PREFILL_BACKLOG_SECONDS: &str = "pdserve_prefill_backlog_seconds";
+/// The router's tokenizer segment cache (`--tokenizer-cache-mb`).
+pub const TOKENIZER_CACHE_HITS_TOTAL: &str = "pdserve_tokenizer_cache_hits_total";
+pub const TOKENIZER_CACHE_MISSES_TOTAL: &str = "pdserve_tokenizer_cache_misses_total";
+pub const TOKENIZER_CACHE_BYTES: &str = "pdserve_tokenizer_cache_bytes";
 pub const POOL_KV_USAGE_RATIO: &str = "pdserve_pool_kv_usage_ratio";
 pub const AUTOSCALER_DESIRED_REPLICAS: &str = "pdserve_autoscaler_desired_replicas";
 pub const AUTOSCALER_DEMAND_REPLICAS: &str = "pdserve_autoscaler_demand_replicas";

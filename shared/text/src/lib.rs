@@ -16,6 +16,7 @@ pub mod grammar;
 pub use pdserve_protocol::hash;
 mod metadata;
 pub mod sampling;
+pub mod segments;
 pub mod stop;
 pub mod tokenizer;
 

@@ -19,6 +19,7 @@ use crate::detok::TokenBytes;
 use crate::error::{Result, TextError};
 use crate::gguf::{Header, Value};
 use crate::metadata::Metadata;
+use crate::segments::{SegmentCache, SegmentStats, MIN_SEGMENT_BYTES};
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
 const TYPE_CONTROL: i64 = 3;
@@ -33,6 +34,8 @@ pub struct Tokenizer {
     eos: u32,
     add_bos: bool,
     chat: Option<ChatTemplate>,
+    /// Tokens of recurring long segments (off unless asked for).
+    segments: Option<SegmentCache>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -98,22 +101,54 @@ impl Tokenizer {
             eos,
             add_bos,
             chat,
+            segments: None,
         })
+    }
+
+    /// Keeps the tokens of long text segments that recur (between control
+    /// tokens: a shared system prompt, a chat's earlier turns) in up to
+    /// `budget_bytes`, so that [`Tokenizer::encode`] does not tokenize them
+    /// again; 0 keeps none. See [`crate::segments`].
+    pub fn with_segment_cache(mut self, budget_bytes: usize) -> Result<Self> {
+        self.segments = match budget_bytes {
+            0 => None,
+            n => {
+                let controls: Vec<String> = (self.bytes.iter().zip(&self.special))
+                    .filter(|(_, &sp)| sp)
+                    .map(|(b, _)| String::from_utf8_lossy(b).into_owned())
+                    .collect();
+                Some(SegmentCache::new(&controls, n, MIN_SEGMENT_BYTES)?)
+            }
+        };
+        Ok(self)
+    }
+
+    /// How the segment cache has done (`None` when it is off).
+    pub fn segment_stats(&self) -> Option<SegmentStats> {
+        self.segments.as_ref().map(SegmentCache::stats)
     }
 
     /// Token ids for `text`. Special tokens written in the text are recognised;
     /// `add_special_tokens` prepends BOS when the model asks for it.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        if add_special_tokens && self.add_bos {
+            ids.extend(self.bos);
+        }
+        match &self.segments {
+            Some(cache) => ids.extend(cache.encode(text, |t| self.encode_plain(t))?),
+            None => ids.extend(self.encode_plain(text)?),
+        }
+        Ok(ids)
+    }
+
+    /// Token ids for `text` from the tokenizer itself, without the cache.
+    fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self
             .inner
             .encode_fast(text, false)
             .map_err(|e| TextError::Tokenizer(e.to_string()))?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
-        if add_special_tokens && self.add_bos {
-            ids.extend(self.bos);
-        }
-        ids.extend_from_slice(enc.get_ids());
-        Ok(ids)
+        Ok(enc.get_ids().to_vec())
     }
 
     /// Text for `ids`; invalid UTF-8 becomes U+FFFD. Unknown ids are an error.
