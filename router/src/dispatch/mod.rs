@@ -210,7 +210,7 @@ impl Dispatcher {
         let prefill = match (&decode.kv_url, decode.local) {
             (Some(kv_url), false) => {
                 let target = (kv_url.as_str(), decode.fingerprint, decode.cached_tokens);
-                Some(self.clone().spawn_prefill(req, target, decode.hold.take()))
+                Some(self.clone().prefill_call(req, target, decode.hold.take()))
             }
             (None, false) => {
                 return Err(ApiError::Upstream {
@@ -464,14 +464,18 @@ impl Dispatcher {
         policy.select(&set, info).and_then(|i| set.get(i).cloned())
     }
 
-    /// Starts the prefill job for the decode worker at `kv_url` (with
+    /// The prefill job for the decode worker at `kv_url` (with
     /// `fingerprint`), which holds the first `cached_tokens` of the prompt.
-    fn spawn_prefill(
+    /// The attempt's relay polls it: it starts on the relay's first poll,
+    /// and dropping it cancels the call. (As a task of its own it started
+    /// late under load: the relay's task, spawned right after it, took the
+    /// slot tokio runs next and sent it behind everything queued.)
+    fn prefill_call(
         self: Arc<Self>,
         req: &SequenceRequest,
         (kv_url, fingerprint, cached_tokens): (&str, Option<u64>, u32),
         hold: Option<PrefillHold>,
-    ) -> AbortOnDropResult {
+    ) -> PrefillCall {
         let job = PrefillJob {
             request_id: req.request_id.clone(),
             prompt_tokens: req.prompt.clone(),
@@ -480,9 +484,7 @@ impl Dispatcher {
             deadline_ms: self.cfg.prefill_timeout.as_millis() as u64,
             cached_tokens,
         };
-        AbortOnDropResult(tokio::spawn(
-            async move { self.prefill(job, fingerprint, hold).await }.in_current_span(),
-        ))
+        Box::pin(async move { self.prefill(job, fingerprint, hold).await }.in_current_span())
     }
 
     /// Runs the job on a prefill worker, retrying retryable failures on others.
@@ -587,11 +589,7 @@ impl Dispatcher {
     }
 }
 
-/// The prefill task; aborted (cancelling the job on the worker) when dropped.
-struct AbortOnDropResult(JoinHandle<Result<PrefillResult, ApiError>>);
-
-impl Drop for AbortOnDropResult {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
+/// A prefill job's call, with its retries on other prefill workers;
+/// dropping it cancels the job on the worker.
+type PrefillCall =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<PrefillResult, ApiError>> + Send>>;

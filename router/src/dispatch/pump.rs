@@ -10,7 +10,7 @@ use pdserve_protocol::internal::{ErrorKind, GenerateEvent, Pool, PrefillResult};
 use pdserve_runtime::metrics::labels;
 
 use super::relay::Out;
-use super::{AbortOnDropResult, Decode, Dispatcher, SeqEvent};
+use super::{Decode, Dispatcher, PrefillCall, SeqEvent};
 use crate::error::ApiError;
 
 /// Why a stream may move to another decode worker (the `reason` label of
@@ -87,7 +87,7 @@ impl Timing {
     }
 }
 
-type Prefill = Result<Result<PrefillResult, ApiError>, tokio::task::JoinError>;
+type Prefill = Result<PrefillResult, ApiError>;
 
 /// What woke the pump up.
 enum Step {
@@ -101,7 +101,7 @@ enum Step {
 pub(super) struct Pump {
     dispatcher: Arc<Dispatcher>,
     decode: Decode,
-    prefill: Option<AbortOnDropResult>,
+    prefill: Option<PrefillCall>,
     deadline: tokio::time::Instant,
     timing: Timing,
     lost_check: tokio::time::Interval,
@@ -111,7 +111,7 @@ impl Pump {
     pub(super) fn new(
         dispatcher: Arc<Dispatcher>,
         decode: Decode,
-        prefill: Option<AbortOnDropResult>,
+        prefill: Option<PrefillCall>,
         deadline: tokio::time::Instant,
     ) -> Self {
         let timing = Timing {
@@ -223,15 +223,11 @@ impl Pump {
                 Step::Prefill(r) => {
                     self.prefill = None;
                     match r {
-                        Ok(Ok(_)) => self.timing.prefill_answered(&self.dispatcher),
-                        Ok(Err(e)) => {
+                        Ok(_) => self.timing.prefill_answered(&self.dispatcher),
+                        Err(e) => {
                             let migratable = is_migratable(&e);
                             let reason = migratable.then_some(reason::PREFILL_FAILED);
                             return Err(End::Failed(e, reason));
-                        }
-                        Err(_) => {
-                            let e = ApiError::Internal("the prefill task failed".into());
-                            return Err(End::Failed(e, None));
                         }
                     }
                 }
@@ -288,8 +284,8 @@ impl Pump {
     /// may still be on its way: let it land, for the stage metrics, rather
     /// than cancel a finished job.
     async fn settle_prefill(&mut self) {
-        if let Some(mut p) = self.prefill.take() {
-            if let Ok(Ok(Ok(_))) = tokio::time::timeout(Duration::from_secs(2), &mut p.0).await {
+        if let Some(p) = self.prefill.take() {
+            if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(2), p).await {
                 self.dispatcher
                     .observe_stage(labels::STAGE_FIRST_DECODE, 0.0);
             }
@@ -306,10 +302,10 @@ pub(super) fn is_migratable(e: &ApiError) -> bool {
     )
 }
 
-/// The prefill task's answer (call it only while there is one).
-async fn prefill_answer(prefill: &mut Option<AbortOnDropResult>) -> Prefill {
+/// The prefill call's answer (call it only while there is one).
+async fn prefill_answer(prefill: &mut Option<PrefillCall>) -> Prefill {
     match prefill {
-        Some(p) => (&mut p.0).await,
+        Some(p) => p.as_mut().await,
         None => std::future::pending().await,
     }
 }
