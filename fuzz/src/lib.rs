@@ -94,6 +94,7 @@ pub fn limits() -> Limits {
         default_max_tokens: 1024,
         max_n: 16,
         sampling: Default::default(),
+        tokenizer_cache_bytes: 64 << 20,
     }
 }
 
