@@ -315,7 +315,8 @@ def check_network_policies(overlay, deployments, policies):
 
 def check_router_policy(overlay, pool, spec, env):
     """The router's export-only autoscaler must decide what KEDA does, or the
-    dashboard's desired replicas would mislead."""
+    dashboard's desired replicas would mislead; in planned mode KEDA sums the
+    routers' demand instead, each router seeing its own share of the load."""
     if env.get("PDSERVE_AUTOSCALER_EXECUTOR") != "none":
         check(f"{overlay}: router runs the export-only autoscaler", False, str(env.get("PDSERVE_AUTOSCALER_EXECUTOR")))
         return
@@ -326,12 +327,12 @@ def check_router_policy(overlay, pool, spec, env):
     got = {k: env.get(k) for k in want}
     bounds = all(str(v) == str(got[k]) for k, v in want.items())
     if env.get("PDSERVE_AUTOSCALER_MODE") == "planned":
-        # KEDA follows the router's decision: one trigger, desired replicas of this pool.
+        # One trigger: this pool's demand summed over the routers, a replica per unit.
         queries = [t["metadata"].get("query", "") for t in spec["triggers"]]
-        follows = (len(queries) == 1 and "pdserve_autoscaler_desired_replicas" in queries[0]
+        follows = (len(queries) == 1 and "sum(pdserve_autoscaler_demand_replicas{" in queries[0]
                    and f'pool="{pool}"' in queries[0] and float(first) == 1.0)
         model = env.get("PDSERVE_AUTOSCALER_MODEL", "")
-        check(f"{overlay}: planned {pool} follows the router's desired replicas", bounds and follows and bool(model),
+        check(f"{overlay}: planned {pool} follows the routers' summed demand", bounds and follows and bool(model),
               f"router {got} model={model!r}; ScaledObject {want} queries={queries} threshold={first}")
         return
     target_var = "PDSERVE_PREFILL_TARGET_BACKLOG_SECONDS" if pool == "prefill" else "PDSERVE_DECODE_TARGET"

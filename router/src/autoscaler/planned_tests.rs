@@ -50,6 +50,29 @@ fn decode_worker(active: u64, tokens_per_second: f64) -> WorkerView {
     }
 }
 
+/// Routers behind one Service each see a share of the requests; the
+/// Kubernetes overlay sums their demand, which is right only if the demand
+/// is linear in the rate: two routers at 10 and 14 requests/s ask for what
+/// one router at 24 does.
+#[test]
+fn the_demand_of_two_routers_adds_up_to_one_routers_at_the_whole_rate() {
+    let workers = [decode_worker(5, 500.0), decode_worker(3, 400.0)];
+    let whole = planner().demand(&offered(24.0), &workers);
+    let (a, b) = (
+        planner().demand(&offered(10.0), &workers),
+        planner().demand(&offered(14.0), &workers),
+    );
+    assert!(
+        (a.prefill + b.prefill - whole.prefill).abs() < 1e-9,
+        "{a:?} {b:?} {whole:?}"
+    );
+    assert!(
+        (a.decode + b.decode - whole.decode).abs() < 1e-9,
+        "{a:?} {b:?} {whole:?}"
+    );
+    assert!(whole.prefill > 1.0 && whole.decode > 1.0, "{whole:?}");
+}
+
 #[test]
 fn demand_follows_the_model() {
     let mut p = planner();
