@@ -149,6 +149,19 @@ impl Request {
         let span = &self.span;
         span.record("gen_ai.usage.input_tokens", usage.prompt_tokens);
         span.record("gen_ai.usage.output_tokens", usage.completion_tokens);
+        let cached = usage.prompt_tokens_details.cached_tokens;
+        span.record("pdserve.cached_tokens", cached);
+    }
+
+    /// Records each choice's finish reason on the request's span
+    /// (`gen_ai.response.finish_reasons`, a string array).
+    pub fn record_finish_reasons<S: AsRef<str>>(&self, reasons: &[S]) {
+        let reasons: Vec<&str> = reasons.iter().map(AsRef::as_ref).collect();
+        if reasons.is_empty() {
+            return;
+        }
+        let field = "gen_ai.response.finish_reasons";
+        self.span.record(field, reasons.join(",").as_str());
     }
 
     pub fn metrics(&self) -> &Arc<RouterMetrics> {

@@ -34,8 +34,11 @@ struct Span {
     events: Vec<String>,
 }
 
+/// What a receiver got.
+type Received = Arc<Mutex<Vec<Span>>>;
+
 /// A receiver of OTLP/HTTP JSON exports; returns its URL and what it got.
-async fn receiver() -> (String, Arc<Mutex<Vec<Span>>>) {
+async fn receiver() -> (String, Received) {
     let got = Arc::new(Mutex::new(Vec::new()));
     let sink = got.clone();
     let app = axum::Router::new().route(
@@ -88,8 +91,12 @@ fn attrs(list: &Value) -> HashMap<String, Value> {
         let v = &kv["value"];
         let plain = ["stringValue", "intValue", "doubleValue", "boolValue"]
             .iter()
-            .find_map(|k| v.get(*k).cloned())
-            .unwrap_or(Value::Null);
+            .find_map(|k| v.get(*k).cloned());
+        let array = v["arrayValue"]["values"].as_array().map(|vs| {
+            let strings = vs.iter().map(|v| v["stringValue"].clone());
+            Value::Array(strings.collect())
+        });
+        let plain = plain.or(array).unwrap_or(Value::Null);
         out.insert(kv["key"].as_str().unwrap_or("").to_string(), plain);
     }
     out
@@ -155,13 +162,50 @@ async fn one_request_is_one_trace_across_the_three_processes() {
     let mut prefill_args = worker("prefill");
     prefill_args.push(&known);
     let prefill = start(mock, &prefill_args).await;
+    let names = ("pdserve-mock-prefill", "pdserve-mock-decode");
+    one_trace(&model, (&otlp, &got), (&prefill, &decode), names).await;
+}
+
+/// The same with the real worker binaries (`pdserve-prefill`,
+/// `pdserve-decode`) on the tiny model: the engines' own spans join the
+/// router's trace the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_workers_join_the_trace_too() {
+    let (Some(prefill_exe), Some(decode_exe)) = (
+        workspace_binary("pdserve-prefill"),
+        workspace_binary("pdserve-decode"),
+    ) else {
+        return;
+    };
+    let model = TinyModel::new();
+    let (otlp, got) = receiver().await;
+    let traced = ["--otlp-endpoint", otlp.as_str()];
+    let decode = WorkerProcess::worker_with(decode_exe.to_str().unwrap(), &model.path, 5, &traced);
+    let decode = decode.await;
+    let known = format!("--decode-url={}", decode.url);
+    let prefill_args = [traced[0], traced[1], known.as_str()];
+    let prefill =
+        WorkerProcess::worker_with(prefill_exe.to_str().unwrap(), &model.path, 5, &prefill_args)
+            .await;
+    let names = ("pdserve-prefill", "pdserve-decode");
+    one_trace(&model, (&otlp, &got), (&prefill, &decode), names).await;
+}
+
+/// One traced request through a router over `prefill` and `decode`
+/// (exporting as the services `names`) makes one trace; prints its tree.
+async fn one_trace(
+    model: &TinyModel,
+    (otlp, got): (&str, &Received),
+    (prefill, decode): (&WorkerProcess, &WorkerProcess),
+    (prefill_svc, decode_svc): (&str, &str),
+) {
     let (p, d) = (
         format!("--prefill-url={}", prefill.url),
         format!("--decode-url={}", decode.url),
     );
     let mut router_args = vec!["--mode", "disaggregated", &p, &d];
-    router_args.extend(["--otlp-endpoint", otlp.as_str()]);
-    let router = common::process::router_process(&model, &router_args).await;
+    router_args.extend(["--otlp-endpoint", otlp]);
+    let router = common::process::router_process(model, &router_args).await;
     wait_ready(&router.url).await;
 
     let body = json!({
@@ -187,12 +231,12 @@ async fn one_request_is_one_trace_across_the_three_processes() {
         ("pdserve-router", "chat tiny"),
         ("pdserve-router", "decode"),
         ("pdserve-router", "prefill"),
-        ("pdserve-mock-prefill", "prefill"),
-        ("pdserve-mock-prefill", "queue"),
-        ("pdserve-mock-prefill", "compute"),
-        ("pdserve-mock-prefill", "kv_transfer"),
-        ("pdserve-mock-decode", "kv_receive"),
-        ("pdserve-mock-decode", "decode"),
+        (prefill_svc, "prefill"),
+        (prefill_svc, "queue"),
+        (prefill_svc, "compute"),
+        (prefill_svc, "kv_transfer"),
+        (decode_svc, "kv_receive"),
+        (decode_svc, "decode"),
     ];
     let spans = || got.lock().unwrap().clone();
     let has = |all: &[Span], (svc, name): (&str, &str)| {
@@ -234,19 +278,10 @@ async fn one_request_is_one_trace_across_the_three_processes() {
     let parent_of = |s: &Span| by_id[s.parent.as_deref().unwrap()];
     let router_decode = get("pdserve-router", "decode");
     let router_prefill = get("pdserve-router", "prefill");
-    assert_eq!(
-        parent_of(get("pdserve-mock-decode", "decode")).id,
-        router_decode.id
-    );
-    assert_eq!(
-        parent_of(get("pdserve-mock-prefill", "prefill")).id,
-        router_prefill.id
-    );
-    let kv_transfer = get("pdserve-mock-prefill", "kv_transfer");
-    assert_eq!(
-        parent_of(get("pdserve-mock-decode", "kv_receive")).id,
-        kv_transfer.id
-    );
+    assert_eq!(parent_of(get(decode_svc, "decode")).id, router_decode.id);
+    assert_eq!(parent_of(get(prefill_svc, "prefill")).id, router_prefill.id);
+    let kv_transfer = get(prefill_svc, "kv_transfer");
+    assert_eq!(parent_of(get(decode_svc, "kv_receive")).id, kv_transfer.id);
     assert_eq!((root.kind, router_decode.kind, kv_transfer.kind), (2, 3, 3));
 
     // GenAI attributes and pdserve's stages.
@@ -255,9 +290,14 @@ async fn one_request_is_one_trace_across_the_three_processes() {
     assert_eq!(int(root.attrs.get("gen_ai.request.max_tokens")), 5);
     assert!(int(root.attrs.get("gen_ai.usage.input_tokens")) > 0);
     assert_eq!(int(root.attrs.get("gen_ai.usage.output_tokens")), 5);
+    assert_eq!(
+        root.attrs["gen_ai.response.finish_reasons"],
+        json!(["length"])
+    );
+    assert_eq!(int(root.attrs.get("pdserve.cached_tokens")), 0);
     assert!(root.events.contains(&"first_token".to_string()), "{root:?}");
     let request_id = root.attrs["request_id"].as_str().unwrap().to_string();
-    let worker_decode = get("pdserve-mock-decode", "decode");
+    let worker_decode = get(decode_svc, "decode");
     assert!(request_id.starts_with("chatcmpl-"));
     assert!(worker_decode.attrs["request_id"]
         .as_str()
@@ -267,12 +307,7 @@ async fn one_request_is_one_trace_across_the_three_processes() {
         int(worker_decode.attrs.get("gen_ai.usage.output_tokens")),
         5
     );
-    assert!(
-        int(get("pdserve-mock-decode", "kv_receive")
-            .attrs
-            .get("pdserve.kv_bytes"))
-            > 0
-    );
+    assert!(int(get(decode_svc, "kv_receive").attrs.get("pdserve.kv_bytes")) > 0);
 
     // The logs carry the trace and the request id.
     let log = router.log();
@@ -327,7 +362,6 @@ async fn one_request_is_one_trace_across_the_three_processes() {
     );
     print_tree(&trace, &root.id, 1, &mut tree);
     println!("trace {CLIENT_TRACE}:\n{tree}");
-    drop((router, prefill, decode));
 }
 
 /// The KV stream carries the trace in its own header frame too: a prefill

@@ -170,6 +170,11 @@ async fn complete(mut ctx: Ctx, prepared: &Prepared, choices: Vec<Choice>) -> Re
         }
     }
     let completion: u32 = results.iter().map(|r| r.completion_tokens).sum();
+    let reasons: Vec<&str> = results
+        .iter()
+        .filter_map(|r| r.finish_reason.as_deref())
+        .collect();
+    ctx.request.record_finish_reasons(&reasons);
     let usage = Usage::new(prompt_usage(prepared), completion).with_cached(cached);
     ctx.request.count_tokens(usage);
     ctx.request.succeed();

@@ -56,6 +56,7 @@ pub(super) async fn stream(ctx: Ctx, prepared: &Prepared, choices: Vec<Choice>) 
         echoes,
         usage: Usage::new(prompt_usage(prepared), 0).with_cached(cached),
         ttft: false,
+        finish_reasons: Vec::new(),
         ctx,
     };
     let events: Pin<Box<dyn futures_util::Stream<Item = Result<Update, ApiError>> + Send>> =
@@ -87,6 +88,8 @@ struct SseWriter {
     echoes: Vec<Option<String>>,
     usage: Usage,
     ttft: bool,
+    /// Each finished choice's reason, as sent.
+    finish_reasons: Vec<String>,
 }
 
 fn sse(value: &impl Serialize, out: &mut Vec<u8>) {
@@ -207,6 +210,9 @@ impl SseWriter {
         self.open(index, &mut out, None);
         let i = index as usize;
         let (text, finish) = self.split_calls(index, text, finish.map(str::to_string), &mut out);
+        if let Some(reason) = &finish {
+            self.finish_reasons.push(reason.clone());
+        }
         let wants_logprobs = !matches!(self.ctx.header.logprobs, LogprobMode::None);
         if text.is_empty() && finish.is_none() && !wants_logprobs {
             return Bytes::from(out);
@@ -249,6 +255,7 @@ impl SseWriter {
         }
         out.extend_from_slice(b"data: [DONE]\n\n");
         self.ctx.request.count_tokens(self.usage);
+        self.ctx.request.record_finish_reasons(&self.finish_reasons);
         self.ctx.request.succeed();
         Bytes::from(out)
     }

@@ -30,7 +30,14 @@ pub enum AttrValue {
     Int(i64),
     Double(f64),
     Bool(bool),
+    /// A string array: a field named in [`ARRAY_FIELDS`], recorded as one
+    /// comma-separated string.
+    StrArray(Vec<String>),
 }
+
+/// Fields that OpenTelemetry defines as string arrays; `tracing` records
+/// them as one string, split at commas on export.
+pub const ARRAY_FIELDS: &[&str] = &["gen_ai.response.finish_reasons"];
 
 impl AttrValue {
     pub(crate) fn to_json(&self) -> Value {
@@ -40,6 +47,10 @@ impl AttrValue {
             Self::Int(i) => json!({ "intValue": i.to_string() }),
             Self::Double(d) => json!({ "doubleValue": d }),
             Self::Bool(b) => json!({ "boolValue": b }),
+            Self::StrArray(v) => {
+                let values: Vec<Value> = v.iter().map(|s| json!({ "stringValue": s })).collect();
+                json!({ "arrayValue": { "values": values } })
+            }
         }
     }
 }
@@ -168,6 +179,7 @@ fn plain(v: AttrValue) -> String {
         AttrValue::Int(i) => i.to_string(),
         AttrValue::Double(d) => d.to_string(),
         AttrValue::Bool(b) => b.to_string(),
+        AttrValue::StrArray(v) => v.join(","),
     }
 }
 
@@ -193,7 +205,11 @@ struct Fields(Vec<(String, AttrValue)>);
 
 impl Visit for Fields {
     fn record_str(&mut self, f: &Field, v: &str) {
-        self.0.push((f.name().to_string(), v.into()));
+        let value = match ARRAY_FIELDS.contains(&f.name()) {
+            true => AttrValue::StrArray(v.split(',').map(str::to_string).collect()),
+            false => v.into(),
+        };
+        self.0.push((f.name().to_string(), value));
     }
     fn record_i64(&mut self, f: &Field, v: i64) {
         self.0.push((f.name().to_string(), AttrValue::Int(v)));
