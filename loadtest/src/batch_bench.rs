@@ -25,16 +25,16 @@ pub struct BatchArgs {
     #[arg(long, env = "PDSERVE_THREADS", default_value_t = 2)]
     threads: usize,
     /// Prompts per batch.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, env = "PDSERVE_BATCH_BENCH_PROMPTS", default_value_t = 8)]
     prompts: usize,
     /// Tokens per prompt.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, env = "PDSERVE_BATCH_BENCH_PROMPT_LEN", default_value_t = 32)]
     prompt_len: usize,
     /// Timed (A, B) pairs; medians are reported.
-    #[arg(long, default_value_t = 9)]
+    #[arg(long, env = "PDSERVE_BATCH_BENCH_REPS", default_value_t = 9)]
     reps: usize,
     /// Write the result as JSON to this file.
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_BATCH_BENCH_JSON")]
     json: Option<PathBuf>,
 }
 

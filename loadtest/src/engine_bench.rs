@@ -30,25 +30,35 @@ pub struct EngineArgs {
     #[arg(long, env = "PDSERVE_THREADS", default_value_t = 2)]
     threads: usize,
     /// Prompt lengths for the prefill measurement.
-    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    #[arg(
+        long,
+        env = "PDSERVE_BENCH_PREFILL_LENS",
+        value_delimiter = ',',
+        default_value = "128,512"
+    )]
     prefill_lens: Vec<usize>,
     /// Concurrent sequences for the decode measurement.
-    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    #[arg(
+        long,
+        env = "PDSERVE_BENCH_DECODE_BATCHES",
+        value_delimiter = ',',
+        default_value = "1,4,16"
+    )]
     decode_batches: Vec<usize>,
     /// Context length of each sequence when decoding starts.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, env = "PDSERVE_BENCH_DECODE_CONTEXT", default_value_t = 128)]
     decode_context: usize,
     /// Decode steps timed per repetition.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, env = "PDSERVE_BENCH_DECODE_STEPS", default_value_t = 32)]
     decode_steps: usize,
     /// Timed repetitions per measurement (the median is reported).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "PDSERVE_BENCH_REPS", default_value_t = 5)]
     reps: usize,
     /// Also print where the time goes, per stage of the forward pass.
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_BENCH_PROFILE")]
     profile: bool,
     /// Write the results as JSON to this file.
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_BENCH_JSON")]
     json: Option<PathBuf>,
     /// Element type of the KV cache (f16 or f32), as the workers' --kv-cache-dtype.
     #[arg(long, env = "PDSERVE_KV_CACHE_DTYPE", default_value = "f16")]
@@ -58,7 +68,7 @@ pub struct EngineArgs {
     kernel: KernelChoice,
     /// The machine's peak arithmetic rate, GFLOP/s, for MFU (default: the
     /// f32 GEMM rate measured on the 2-core reference machine).
-    #[arg(long, default_value_t = 410.0)]
+    #[arg(long, env = "PDSERVE_BENCH_PEAK_GFLOPS", default_value_t = 410.0)]
     peak_gflops: f64,
 }
 

@@ -22,13 +22,18 @@ pub struct KvArgs {
     #[arg(long, env = "PDSERVE_MODEL")]
     model: Option<PathBuf>,
     /// Prompt lengths in tokens.
-    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    #[arg(
+        long,
+        env = "PDSERVE_KV_BENCH_TOKENS",
+        value_delimiter = ',',
+        default_value = "128,512"
+    )]
     tokens: Vec<usize>,
     /// Timed repetitions (the median is reported).
-    #[arg(long, default_value_t = 7)]
+    #[arg(long, env = "PDSERVE_KV_BENCH_REPS", default_value_t = 7)]
     reps: usize,
     /// Write the results as JSON to this file.
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_KV_BENCH_JSON")]
     json: Option<PathBuf>,
 }
 

@@ -36,30 +36,30 @@ use crate::run::stats::quantile;
 #[derive(Args, Debug)]
 pub struct LinkArgs {
     /// The first namespace (as `ip netns` names it) and its TUN device.
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_LINK_NS_A")]
     ns_a: String,
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_LINK_DEV_A")]
     dev_a: String,
     /// The second namespace and its TUN device.
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_LINK_NS_B")]
     ns_b: String,
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_LINK_DEV_B")]
     dev_b: String,
     /// One-way delay in milliseconds, each direction (half the added RTT).
-    #[arg(long, default_value_t = 0.25)]
+    #[arg(long, env = "PDSERVE_LINK_DELAY_MS", default_value_t = 0.25)]
     delay_ms: f64,
     /// Link rate in Mbit/s, each direction; 0 for no limit.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, env = "PDSERVE_LINK_RATE_MBIT", default_value_t = 0.0)]
     rate_mbit: f64,
     /// Percentage of packets dropped at random, each direction.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, env = "PDSERVE_LINK_LOSS", default_value_t = 0.0)]
     loss: f64,
     /// Packets queued per direction beyond which new ones are dropped (as
     /// netem's `limit`).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, env = "PDSERVE_LINK_LIMIT", default_value_t = 1000)]
     limit: usize,
     /// Seed of the loss draws.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "PDSERVE_LINK_SEED", default_value_t = 1)]
     seed: u64,
 }
 
