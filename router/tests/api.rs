@@ -369,13 +369,7 @@ async fn a_recurring_system_prompt_is_tokenized_once_kept() {
         assert!(counts[0].as_array().unwrap().len() > 300);
         let series = "pdserve_tokenizer_cache_hits_total";
         let metrics = pdserve_testkit::http::metrics(&c.url).await;
-        let found = metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok());
-        assert_eq!(
-            found,
-            Some(hits),
-            "--tokenizer-cache-mb {cache_mb}: {metrics}"
-        );
+        let found = pdserve_testkit::http::metric(&metrics, series);
+        assert_eq!(found, hits, "--tokenizer-cache-mb {cache_mb}: {metrics}");
     }
 }

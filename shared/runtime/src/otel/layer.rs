@@ -37,7 +37,7 @@ pub enum AttrValue {
 
 /// Fields that OpenTelemetry defines as string arrays; `tracing` records
 /// them as one string, split at commas on export.
-pub const ARRAY_FIELDS: &[&str] = &["gen_ai.response.finish_reasons"];
+const ARRAY_FIELDS: &[&str] = &["gen_ai.response.finish_reasons"];
 
 impl AttrValue {
     pub(crate) fn to_json(&self) -> Value {
